@@ -1,0 +1,16 @@
+"""The baseline: fairseq's Transformer (model type ``flexformer``) with the default hooks.
+
+Use it as the template for a method module: define ``SPEC = MethodSpec(...)`` (see
+:mod:`training_scripts.model_registry`).
+"""
+
+from configuration.configuration_flexformer import FlexformerConfig
+from modeling.modeling_flexformer import FlexformerForConditionalGeneration
+from training_scripts.model_registry import MethodSpec
+
+SPEC = MethodSpec(
+    model_type="flexformer",
+    config_class=FlexformerConfig,
+    model_class=FlexformerForConditionalGeneration,
+    description="fairseq Transformer baseline (post-norm, sinusoidal positions, label-smoothed loss in the model)",
+)
