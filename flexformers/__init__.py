@@ -1,0 +1,12 @@
+"""flexformers: IOT, MAT, InDIGO and the Depth-Adaptive Transformer as Hugging Face Transformers models.
+
+`import flexformers` registers every model type with `AutoConfig`, `AutoModel` and `AutoModelForSeq2SeqLM`.
+"""
+
+import configuration
+import modeling
+from configuration import *  # noqa: F401,F403
+from modeling import *  # noqa: F401,F403
+
+__version__ = "0.1.0"
+__all__ = sorted(set(configuration.__all__) | set(modeling.__all__))

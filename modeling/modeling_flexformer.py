@@ -1,0 +1,1226 @@
+"""The flexformers backbone: fairseq's encoder-decoder Transformer as a native Transformers v5 model.
+
+Every method of the zoo extends this file at a named seam (see docs/ARCHITECTURE.md):
+
+- sub-layer order as data (`sublayer_order`, `PerRowSublayerOrder`) — IOT;
+- attention / feed-forward branches merged by weights (`num_branches`, `branch_weights`, `head_weights`) — MAT;
+- additive relative-position bias on attention logits (`relative_position_bias`) and a decoder without absolute
+  positions — InDIGO;
+- a decoder loop built from `embed` / `run_layer` / `finalize`, with row subsets of the batch
+  (`rows` + `StepKVCollector`) and `project_key_value` for copied states — Depth-Adaptive.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    BaseModelOutputWithPastAndCrossAttentions,
+    Seq2SeqLMOutput,
+    Seq2SeqModelOutput,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import logging
+
+from configuration.configuration_flexformer import FlexformerConfig
+
+logger = logging.get_logger(__name__)
+
+ENCODER_SUBLAYERS = ("self_attn", "ffn")
+DECODER_SUBLAYERS = ("self_attn", "encoder_attn", "ffn")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Positions and embeddings
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def make_positions(input_ids: torch.Tensor, padding_idx: int) -> torch.Tensor:
+    """fairseq's positions: non-padding tokens are numbered from `padding_idx + 1`; padding keeps `padding_idx`.
+
+    Counting only non-padding tokens makes a left- or right-padded sentence get the same positions as alone.
+    """
+    mask = input_ids.ne(padding_idx).int()
+    return (torch.cumsum(mask, dim=1).type_as(mask) * mask).long() + padding_idx
+
+
+def sinusoidal_table(num_embeddings: int, embedding_dim: int, padding_idx: int | None) -> torch.Tensor:
+    """fairseq's sinusoidal table (sin half, then cos half; a zero row at `padding_idx`), from
+    "Attention Is All You Need", Sec. 3.5, as laid out by fairseq's `SinusoidalPositionalEmbedding`."""
+    half_dim = embedding_dim // 2
+    scale = math.log(10000) / (half_dim - 1)
+    frequencies = torch.exp(torch.arange(half_dim, dtype=torch.float) * -scale)
+    angles = torch.arange(num_embeddings, dtype=torch.float).unsqueeze(1) * frequencies.unsqueeze(0)
+    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+    if embedding_dim % 2 == 1:
+        table = torch.cat([table, torch.zeros(num_embeddings, 1)], dim=1)
+    if padding_idx is not None:
+        table[padding_idx, :] = 0
+    return table
+
+
+def _positions_for(input_ids: torch.Tensor, padding_idx: int, past_length: int) -> torch.Tensor:
+    if past_length == 0:
+        return make_positions(input_ids, padding_idx)
+    # Incremental decoding: the new tokens continue the cached prefix (fairseq's incremental_state path).
+    steps = torch.arange(input_ids.shape[1], device=input_ids.device) + past_length + padding_idx + 1
+    return steps.unsqueeze(0).expand(input_ids.shape[0], -1)
+
+
+class SinusoidalPositionalEmbedding(nn.Module):
+    """Fixed sinusoidal positions (not parameters), grown on demand like fairseq's."""
+
+    def __init__(self, embedding_dim: int, padding_idx: int, init_size: int = 1024):
+        super().__init__()
+        self.embedding_dim = embedding_dim
+        self.padding_idx = padding_idx
+        self.init_size = init_size
+        # A plain attribute, not a buffer: it is derived data, so it is neither saved nor loaded, and it is rebuilt
+        # lazily on the right device (models are materialised from the meta device by `from_pretrained`).
+        self._table: torch.Tensor | None = None
+
+    def _table_for(self, max_position: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        table = self._table
+        if table is None or table.shape[0] <= max_position or table.device != device or table.dtype != dtype:
+            size = max(self.init_size, max_position + 1, 0 if table is None else table.shape[0])
+            table = sinusoidal_table(size, self.embedding_dim, self.padding_idx).to(device=device, dtype=dtype)
+            self._table = table
+        return table
+
+    def forward(self, input_ids: torch.Tensor, past_length: int = 0, dtype: torch.dtype = torch.float32):
+        positions = _positions_for(input_ids, self.padding_idx, past_length)
+        max_position = self.padding_idx + 1 + past_length + input_ids.shape[1]
+        table = self._table_for(max_position, input_ids.device, dtype)
+        return table[positions]
+
+
+class LearnedPositionalEmbedding(nn.Embedding):
+    """fairseq's learned positions: `max_positions + padding_idx + 1` rows, the padding row kept at zero."""
+
+    def __init__(self, max_positions: int, embedding_dim: int, padding_idx: int):
+        super().__init__(max_positions + padding_idx + 1, embedding_dim, padding_idx)
+        self.max_positions = max_positions
+
+    def forward(self, input_ids: torch.Tensor, past_length: int = 0, dtype: torch.dtype | None = None):
+        positions = _positions_for(input_ids, self.padding_idx, past_length)
+        if past_length + input_ids.shape[1] > self.max_positions:
+            raise ValueError(
+                f"sequence of length {past_length + input_ids.shape[1]} exceeds the {self.max_positions} learned "
+                "positions (max_source_positions / max_target_positions)"
+            )
+        return super().forward(positions)
+
+
+def build_positional_embedding(config: FlexformerConfig, side: str, embed_dim: int) -> nn.Module | None:
+    if not getattr(config, f"{side}_use_positions"):
+        return None
+    max_positions = config.max_source_positions if side == "encoder" else config.max_target_positions
+    if getattr(config, f"{side}_learned_pos"):
+        return LearnedPositionalEmbedding(max_positions, embed_dim, config.pad_token_id)
+    return SinusoidalPositionalEmbedding(embed_dim, config.pad_token_id, init_size=max_positions + config.pad_token_id + 1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    is_causal: bool = False,
+    position_bias: torch.Tensor | None = None,
+    **kwargs,
+):
+    """Reference attention (returns the weights); same contract as Transformers' SDPA integration."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if position_bias is not None:
+        scores = scores + position_bias
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + attention_mask
+    elif is_causal and query.shape[2] > 1:
+        q_len, k_len = query.shape[2], key.shape[2]
+        future = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).triu(k_len - q_len + 1)
+        scores = scores.masked_fill(future, torch.finfo(scores.dtype).min)
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    output = torch.matmul(weights, value).transpose(1, 2).contiguous()
+    return output, weights
+
+
+class BranchMergeLinear(nn.Module):
+    """Output projection of `num_branches` parallel branches merged by a weighted sum, in one GEMM.
+
+    `weight` is `[out, B * in]` (branch b owns columns `b*in:(b+1)*in`), `bias` is `[B, out]` (one bias per
+    branch). `forward(x[..., B, in], branch_weights)` returns `Σ_b w_b (x_b W_bᵀ + bias_b)`; `branch_weights=None`
+    means the plain average `w_b = 1/B`, which for B = 1 is exactly `nn.Linear`.
+    """
+
+    def __init__(self, num_branches: int, in_features: int, out_features: int):
+        super().__init__()
+        self.num_branches = num_branches
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, num_branches * in_features))
+        self.bias = nn.Parameter(torch.empty(num_branches, out_features))
+
+    def branch_weight(self, branch: int) -> torch.Tensor:
+        """The `[out, in]` weight of one branch (a view, for proximal initialisation)."""
+        return self.weight[:, branch * self.in_features : (branch + 1) * self.in_features]
+
+    def forward(self, hidden_states: torch.Tensor, branch_weights: torch.Tensor | None = None) -> torch.Tensor:
+        leading = hidden_states.shape[:-2]
+        if branch_weights is None:
+            if self.num_branches == 1:
+                return F.linear(hidden_states.reshape(*leading, self.in_features), self.weight, self.bias[0])
+            branch_weights = hidden_states.new_full((self.num_branches,), 1.0 / self.num_branches)
+        if branch_weights.dim() == 1:  # one weight per branch, shared by the batch
+            scaled = hidden_states * branch_weights.view(self.num_branches, 1)
+            bias = branch_weights @ self.bias
+        else:  # [batch, B]: one weight per row and branch
+            expand = (branch_weights.shape[0],) + (1,) * (hidden_states.dim() - 3) + (self.num_branches, 1)
+            scaled = hidden_states * branch_weights.view(expand)
+            bias = (branch_weights @ self.bias).view(branch_weights.shape[0], *([1] * (hidden_states.dim() - 3)), -1)
+        return F.linear(scaled.reshape(*leading, self.num_branches * self.in_features), self.weight) + bias
+
+
+class StepKVCollector:
+    """Collects one decoder layer's new self-attention keys/values when the rows of a batch are computed in
+    several subsets during one forward (IOT per-row orders, Depth-Adaptive early exits), then writes them to the
+    cache with one full-batch `update` — so the cache stays the standard `DynamicCache` every other tool expects.
+    """
+
+    def __init__(self, cache: Cache, layer_idx: int, batch_size: int):
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.batch_size = batch_size
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self._rows_written = 0
+
+    def past(self, rows: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        layers = getattr(self.cache, "layers", [])
+        if self.layer_idx >= len(layers) or not layers[self.layer_idx].is_initialized:
+            return None, None
+        layer = layers[self.layer_idx]
+        if layer.keys is None or layer.keys.numel() == 0:
+            return None, None
+        if rows is None:
+            return layer.keys, layer.values
+        return layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+
+    def add(self, rows: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if rows is None:
+            self.keys, self.values = keys, values
+            self._rows_written = self.batch_size
+            return
+        if self.keys is None:
+            shape = (self.batch_size, *keys.shape[1:])
+            self.keys = keys.new_zeros(shape)
+            self.values = values.new_zeros(shape)
+        self.keys = self.keys.index_copy(0, rows, keys)
+        self.values = self.values.index_copy(0, rows, values)
+        self._rows_written += rows.shape[0]
+
+    def flush(self) -> None:
+        if self.keys is None:
+            return
+        if self._rows_written != self.batch_size:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: new keys/values were written for {self._rows_written} of "
+                f"{self.batch_size} rows; every row must be written once per step to keep the cache consistent"
+            )
+        self.cache.update(self.keys, self.values, self.layer_idx)
+        self.keys = self.values = None
+        self._rows_written = 0
+
+
+def _self_attention_cache(past_key_values: Cache | None) -> Cache | None:
+    if isinstance(past_key_values, EncoderDecoderCache):
+        return past_key_values.self_attention_cache
+    return past_key_values
+
+
+def _index_rows(tensor: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
+    if tensor is None or rows is None or tensor.shape[0] == 1:
+        return tensor
+    return tensor.index_select(0, rows)
+
+
+class FlexformerAttention(nn.Module):
+    """fairseq's multi-head attention, generalised to `num_branches` parallel attentions (MAT) computed fused:
+    q/k/v are `Linear(d, B*d)` (branch b = rows `b*d:(b+1)*d`), all `B*M` heads go through one attention call,
+    and the branches are merged by `out_proj` (a `BranchMergeLinear`). With B = 1 this is exactly fairseq's
+    `MultiheadAttention` (same parameters, same function).
+    """
+
+    def __init__(
+        self,
+        config: FlexformerConfig,
+        embed_dim: int,
+        num_heads: int,
+        kdim: int | None = None,
+        num_branches: int = 1,
+        is_cross_attention: bool = False,
+        is_causal: bool = False,
+        layer_idx: int | None = None,
+    ):
+        super().__init__()
+        self.config = config
+        self.embed_dim = embed_dim
+        self.kdim = kdim or embed_dim
+        self.num_heads = num_heads
+        self.num_branches = num_branches
+        self.head_dim = embed_dim // num_heads
+        self.total_heads = num_heads * num_branches
+        self.scaling = self.head_dim**-0.5
+        self.dropout = config.attention_dropout
+        self.is_cross_attention = is_cross_attention
+        self.is_causal = is_causal
+        self.layer_idx = layer_idx
+        self.q_proj = nn.Linear(embed_dim, num_branches * embed_dim)
+        self.k_proj = nn.Linear(self.kdim, num_branches * embed_dim)
+        self.v_proj = nn.Linear(self.kdim, num_branches * embed_dim)
+        self.out_proj = BranchMergeLinear(num_branches, embed_dim, embed_dim)
+
+    # ---- seams ------------------------------------------------------------------------------------------------
+    def relative_position_bias(self, query_states: torch.Tensor, rows: torch.Tensor | None = None, **kwargs):
+        """Additive logit bias `[batch, heads, q, k]` (added to the scaled q·k logits), or None. InDIGO overrides it.
+
+        `query_states` are the projected, *unscaled* queries `[batch, heads, q, head_dim]`; `rows` is the subset of
+        batch rows being computed (None = all); `kwargs` are whatever the decoder was given as layer kwargs.
+        """
+        return None
+
+    def branch_weights(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        """Merge weights of the branches, `[B]` or `[batch, B]`; None = the average 1/B. MAT overrides it."""
+        return None
+
+    def head_weights(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        """Multipliers `[batch, B*M]` (or `[B*M]`) on each head's output before the merge, or None (MAT drop-head)."""
+        return None
+
+    # ---- projections ------------------------------------------------------------------------------------------
+    def _split_heads(self, projected: torch.Tensor) -> torch.Tensor:
+        batch, length = projected.shape[:2]
+        return projected.view(batch, length, self.total_heads, self.head_dim).transpose(1, 2)
+
+    def project_key_value(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values `[batch, heads, length, head_dim]` of `states`, without attending."""
+        return self._split_heads(self.k_proj(states)), self._split_heads(self.v_proj(states))
+
+    def _cross_key_value(self, encoder_states, past_key_values, rows):
+        if isinstance(past_key_values, EncoderDecoderCache):
+            cross_cache = past_key_values.cross_attention_cache
+            if past_key_values.is_updated.get(self.layer_idx):
+                layer = cross_cache.layers[self.layer_idx]
+                keys, values = layer.keys, layer.values
+            else:
+                # Encoder states are projected once, for the whole batch, and reused at every step.
+                keys, values = self.project_key_value(encoder_states)
+                keys, values = cross_cache.update(keys, values, self.layer_idx)
+                past_key_values.is_updated[self.layer_idx] = True
+            return _index_rows(keys, rows), _index_rows(values, rows)
+        return self.project_key_value(_index_rows(encoder_states, rows))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        key_value_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        rows: torch.Tensor | None = None,
+        kv_collector: StepKVCollector | None = None,
+        output_attentions: bool = False,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attend for `hidden_states` `[batch', q, d]`.
+
+        `rows` (optional) says which rows of the full batch these are: the attention mask, the encoder states and
+        the cache's past are indexed with it. With `kv_collector`, the new self-attention keys/values go to the
+        collector (written to the cache once per layer and step) instead of straight into the cache.
+        """
+        batch, q_len, _ = hidden_states.shape
+        query = self._split_heads(self.q_proj(hidden_states))
+        past_length = 0
+        if self.is_cross_attention:
+            key, value = self._cross_key_value(key_value_states, past_key_values, rows)
+        else:
+            key, value = self.project_key_value(hidden_states)
+            if kv_collector is not None:
+                kv_collector.add(rows, key, value)
+                past_key, past_value = kv_collector.past(rows)
+                if past_key is not None:
+                    past_length = past_key.shape[2]
+                    key = torch.cat([past_key, key], dim=2)
+                    value = torch.cat([past_value, value], dim=2)
+            elif past_key_values is not None:
+                self_cache = _self_attention_cache(past_key_values)
+                past_length = self_cache.get_seq_length(self.layer_idx)
+                key, value = self_cache.update(key, value, self.layer_idx)
+        attention_mask = _index_rows(attention_mask, rows)
+        position_bias = self.relative_position_bias(query, rows=rows, **kwargs)
+        implementation = self.config._attn_implementation or "eager"
+        attention_function: Callable = (
+            eager_attention_forward
+            if implementation == "eager" or (output_attentions and implementation == "sdpa")
+            else ALL_ATTENTION_FUNCTIONS[implementation]
+        )
+        output, weights = attention_function(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling=self.scaling,
+            dropout=self.dropout if self.training else 0.0,
+            is_causal=self.is_causal and attention_mask is None and q_len > 1 and past_length == 0,
+            position_bias=position_bias,
+        )
+        head_weights = self.head_weights(batch, output.device, output.dtype)
+        if head_weights is not None:
+            output = output * head_weights.view(-1, 1, self.total_heads, 1)
+        output = output.reshape(batch, q_len, self.num_branches, self.embed_dim)
+        output = self.out_proj(output, self.branch_weights(batch, output.device, output.dtype))
+        return output, (weights if output_attentions else None)
+
+
+class FlexformerFeedForward(nn.Module):
+    """Position-wise feed-forward network with `num_branches` parallel branches (MAT's multi-branch FFN, Eq. 8)
+    computed fused; B = 1 is fairseq's `fc1 → activation → dropout → fc2`."""
+
+    def __init__(self, config: FlexformerConfig, embed_dim: int, ffn_dim: int, num_branches: int = 1):
+        super().__init__()
+        self.num_branches = num_branches
+        self.ffn_dim = ffn_dim
+        self.activation_fn = ACT2FN[config.activation_function]
+        self.activation_dropout = config.activation_dropout
+        self.fc1 = nn.Linear(embed_dim, num_branches * ffn_dim)
+        self.fc2 = BranchMergeLinear(num_branches, ffn_dim, embed_dim)
+
+    def branch_weights(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        """Merge weights `[B]` or `[batch, B]`; None = the average 1/B. MAT overrides it (drop-branch, Eq. 7)."""
+        return None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        inner = self.activation_fn(self.fc1(hidden_states))
+        inner = F.dropout(inner, p=self.activation_dropout, training=self.training)
+        inner = inner.view(*hidden_states.shape[:-1], self.num_branches, self.ffn_dim)
+        return self.fc2(inner, self.branch_weights(hidden_states.shape[0], inner.device, inner.dtype))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Blocks with the sub-layer sequence as data
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PerRowSublayerOrder:
+    """A sub-layer order per batch row: row r runs `orders[order_index[r]]`.
+
+    Build it once per batch (e.g. once per `generate()` call) and pass the same object to every layer and step:
+    the grouping of rows by stage is computed once and cached on it.
+    """
+
+    order_index: torch.LongTensor
+    orders: Sequence[tuple[str, ...]]
+
+    @cached_property
+    def stage_plan(self) -> list[list[tuple[str, torch.Tensor | None]]]:
+        """For each stage s: the (sub-layer, rows) pairs that run at s; `rows=None` when every row runs it."""
+        num_stages = len(self.orders[0])
+        if any(len(order) != num_stages for order in self.orders):
+            raise ValueError(f"orders must all have the same length, got {list(self.orders)}")
+        names = sorted({name for order in self.orders for name in order})
+        code = {name: i for i, name in enumerate(names)}
+        table = torch.tensor([[code[n] for n in order] for order in self.orders], device=self.order_index.device)
+        per_row = table[self.order_index]  # [batch, stages]
+        plan = []
+        for stage in range(num_stages):
+            stage_codes = per_row[:, stage]
+            entries = []
+            for name in names:
+                rows = torch.nonzero(stage_codes == code[name]).squeeze(1)
+                if rows.numel() == stage_codes.numel():
+                    entries.append((name, None))
+                elif rows.numel() > 0:
+                    entries.append((name, rows))
+            plan.append(entries)
+        return plan
+
+    def select(self, rows: torch.Tensor) -> "PerRowSublayerOrder":
+        return PerRowSublayerOrder(self.order_index.index_select(0, rows), self.orders)
+
+
+def _check_order(order: Sequence[str], allowed: tuple[str, ...]) -> None:
+    if sorted(order) != sorted(allowed):
+        raise ValueError(f"sublayer_order {tuple(order)} must be a permutation of {allowed}")
+
+
+class _ReorderableLayer(GradientCheckpointingLayer):
+    """Shared machinery of encoder and decoder blocks: each sub-layer is a method with its own residual,
+    dropout and LayerNorm, and `forward` runs them in the order it is given."""
+
+    default_order: tuple[str, ...] = ()
+
+    def _sublayer(self, name: str) -> Callable:
+        raise NotImplementedError
+
+    def _residual(self, layer_norm: nn.LayerNorm, hidden_states: torch.Tensor, compute: Callable):
+        residual = hidden_states
+        if self.normalize_before:
+            hidden_states = layer_norm(hidden_states)
+        hidden_states, weights = compute(hidden_states)
+        hidden_states = F.dropout(hidden_states, p=self.dropout, training=self.training)
+        hidden_states = residual + hidden_states
+        if not self.normalize_before:
+            hidden_states = layer_norm(hidden_states)
+        return hidden_states, weights
+
+    def _run_order(self, hidden_states, sublayer_order, past_key_values, **kwargs):
+        """Run the sub-layers; returns (hidden_states, {name: attention weights})."""
+        weights = {}
+        if not isinstance(sublayer_order, PerRowSublayerOrder):
+            order = self.default_order if sublayer_order is None else tuple(sublayer_order)
+            _check_order(order, self.default_order)
+            for name in order:
+                hidden_states, weights[name] = self._sublayer(name)(
+                    hidden_states, past_key_values=past_key_values, **kwargs
+                )
+            return hidden_states, weights
+        # Different orders per row: stage by stage, each sub-layer once for the rows that need it; the new
+        # self-attention keys/values are collected and written to the cache once.
+        for order in sublayer_order.orders:
+            _check_order(order, self.default_order)
+        collector = None
+        self_cache = _self_attention_cache(past_key_values)
+        if self_cache is not None and "self_attn" in self.default_order and self.self_attn.layer_idx is not None:
+            collector = StepKVCollector(self_cache, self.self_attn.layer_idx, hidden_states.shape[0])
+        for stage in sublayer_order.stage_plan:
+            for name, rows in stage:
+                compute = self._sublayer(name)
+                if rows is None:
+                    hidden_states, _ = compute(
+                        hidden_states, past_key_values=past_key_values, kv_collector=collector, **kwargs
+                    )
+                else:
+                    updated, _ = compute(
+                        hidden_states.index_select(0, rows),
+                        past_key_values=past_key_values,
+                        rows=rows,
+                        kv_collector=collector,
+                        **kwargs,
+                    )
+                    hidden_states = hidden_states.index_copy(0, rows, updated)
+        if collector is not None:
+            collector.flush()
+        return hidden_states, weights
+
+
+class FlexformerEncoderLayer(_ReorderableLayer):
+    default_order = ENCODER_SUBLAYERS
+
+    def __init__(self, config: FlexformerConfig, layer_idx: int, components: "BackboneComponents"):
+        super().__init__()
+        dim = config.encoder_embed_dim
+        self.normalize_before = config.encoder_normalize_before
+        self.dropout = config.dropout
+        self.self_attn = components.encoder_self_attention(
+            config, dim, config.encoder_attention_heads, num_branches=config.encoder_attention_branches,
+            layer_idx=layer_idx,
+        )
+        self.self_attn_layer_norm = nn.LayerNorm(dim)
+        self.ffn = components.feed_forward(config, dim, config.encoder_ffn_embed_dim, config.encoder_ffn_branches)
+        self.final_layer_norm = nn.LayerNorm(dim)
+
+    def self_attention_sublayer(self, hidden_states, attention_mask=None, rows=None, output_attentions=False, **kw):
+        return self._residual(
+            self.self_attn_layer_norm,
+            hidden_states,
+            lambda x: self.self_attn(x, attention_mask=attention_mask, rows=rows, output_attentions=output_attentions),
+        )
+
+    def feed_forward_sublayer(self, hidden_states, **kw):
+        return self._residual(self.final_layer_norm, hidden_states, lambda x: (self.ffn(x), None))
+
+    def _sublayer(self, name):
+        return {"self_attn": self.self_attention_sublayer, "ffn": self.feed_forward_sublayer}[name]
+
+    def forward(self, hidden_states, attention_mask=None, sublayer_order=None, output_attentions=False):
+        hidden_states, weights = self._run_order(
+            hidden_states, sublayer_order, None, attention_mask=attention_mask, output_attentions=output_attentions
+        )
+        return hidden_states, weights.get("self_attn")
+
+
+class FlexformerDecoderLayer(_ReorderableLayer):
+    default_order = DECODER_SUBLAYERS
+
+    def __init__(self, config: FlexformerConfig, layer_idx: int, components: "BackboneComponents"):
+        super().__init__()
+        dim = config.decoder_embed_dim
+        self.normalize_before = config.decoder_normalize_before
+        self.dropout = config.dropout
+        self.self_attn = components.decoder_self_attention(
+            config, dim, config.decoder_attention_heads, num_branches=config.decoder_attention_branches,
+            is_causal=True, layer_idx=layer_idx,
+        )
+        self.self_attn_layer_norm = nn.LayerNorm(dim)
+        self.encoder_attn = components.cross_attention(
+            config, dim, config.decoder_attention_heads, kdim=config.encoder_embed_dim,
+            num_branches=config.decoder_attention_branches, is_cross_attention=True, layer_idx=layer_idx,
+        )
+        self.encoder_attn_layer_norm = nn.LayerNorm(dim)
+        self.ffn = components.feed_forward(config, dim, config.decoder_ffn_embed_dim, config.decoder_ffn_branches)
+        self.final_layer_norm = nn.LayerNorm(dim)
+
+    def self_attention_sublayer(
+        self, hidden_states, attention_mask=None, past_key_values=None, rows=None, kv_collector=None,
+        output_attentions=False, attention_kwargs=None, **kw,
+    ):
+        return self._residual(
+            self.self_attn_layer_norm,
+            hidden_states,
+            lambda x: self.self_attn(
+                x, attention_mask=attention_mask, past_key_values=past_key_values, rows=rows,
+                kv_collector=kv_collector, output_attentions=output_attentions, **(attention_kwargs or {}),
+            ),
+        )
+
+    def cross_attention_sublayer(
+        self, hidden_states, encoder_hidden_states=None, encoder_attention_mask=None, past_key_values=None,
+        rows=None, output_attentions=False, **kw,
+    ):
+        if encoder_hidden_states is None:
+            raise ValueError("the decoder's encoder-attention sub-layer needs encoder_hidden_states")
+        return self._residual(
+            self.encoder_attn_layer_norm,
+            hidden_states,
+            lambda x: self.encoder_attn(
+                x, key_value_states=encoder_hidden_states, attention_mask=encoder_attention_mask,
+                past_key_values=past_key_values, rows=rows, output_attentions=output_attentions,
+            ),
+        )
+
+    def feed_forward_sublayer(self, hidden_states, **kw):
+        return self._residual(self.final_layer_norm, hidden_states, lambda x: (self.ffn(x), None))
+
+    def _sublayer(self, name):
+        return {
+            "self_attn": self.self_attention_sublayer,
+            "encoder_attn": self.cross_attention_sublayer,
+            "ffn": self.feed_forward_sublayer,
+        }[name]
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        encoder_hidden_states=None,
+        encoder_attention_mask=None,
+        past_key_values=None,
+        sublayer_order=None,
+        output_attentions=False,
+        **attention_kwargs,
+    ):
+        """`attention_kwargs` go to the self-attention's `relative_position_bias` seam (e.g. InDIGO's relations)."""
+        hidden_states, weights = self._run_order(
+            hidden_states,
+            sublayer_order,
+            past_key_values,
+            attention_mask=attention_mask,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask,
+            output_attentions=output_attentions,
+            attention_kwargs=attention_kwargs,
+        )
+        return hidden_states, weights.get("self_attn"), weights.get("encoder_attn")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Encoder and decoder stacks
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def padding_mask(attention_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """Additive key mask `[batch, 1, 1, keys]` from a 0/1 mask, or None when nothing is masked (fast SDPA path)."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    keep = attention_mask.bool()[:, None, None, :]
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
+
+
+def _layerdrop_skips(module: nn.Module, layerdrop: float) -> bool:
+    return module.training and layerdrop > 0.0 and bool(torch.rand([]) < layerdrop)
+
+
+class FlexformerEncoder(nn.Module):
+    """fairseq's `TransformerEncoder`: scaled token embeddings + positions → dropout → blocks → (pre-norm) LayerNorm."""
+
+    def __init__(self, config: FlexformerConfig, embed_tokens: nn.Embedding, components: "BackboneComponents"):
+        super().__init__()
+        self.config = config
+        dim = config.encoder_embed_dim
+        self.padding_idx = config.pad_token_id
+        self.dropout = config.dropout
+        self.layerdrop = config.encoder_layerdrop
+        self.embed_scale = 1.0 if config.no_scale_embedding else math.sqrt(dim)
+        self.embed_tokens = embed_tokens
+        self.embed_positions = build_positional_embedding(config, "encoder", dim)
+        self.layernorm_embedding = nn.LayerNorm(dim) if config.layernorm_embedding else None
+        self.layers = nn.ModuleList(
+            [components.encoder_layer(config, i, components) for i in range(config.encoder_layers)]
+        )
+        self.layer_norm = nn.LayerNorm(dim) if config.encoder_normalize_before else None
+
+    def embed(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds to the encoder")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids) * self.embed_scale
+        hidden_states = inputs_embeds
+        if self.embed_positions is not None:
+            ids = input_ids if input_ids is not None else inputs_embeds.new_ones(inputs_embeds.shape[:2]).long() * (self.padding_idx + 1)
+            hidden_states = hidden_states + self.embed_positions(ids, dtype=hidden_states.dtype)
+        if self.layernorm_embedding is not None:
+            hidden_states = self.layernorm_embedding(hidden_states)
+        return F.dropout(hidden_states, p=self.dropout, training=self.training)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        sublayer_order=None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+        return_dict: bool = True,
+    ) -> BaseModelOutput:
+        if attention_mask is None and input_ids is not None:
+            attention_mask = input_ids.ne(self.padding_idx).long()
+        hidden_states = self.embed(input_ids, inputs_embeds)
+        mask = padding_mask(attention_mask, hidden_states.dtype)
+        all_hidden, all_attentions = [], []
+        for layer in self.layers:
+            if output_hidden_states:
+                all_hidden.append(hidden_states)
+            if _layerdrop_skips(self, self.layerdrop):
+                continue
+            hidden_states, weights = layer(
+                hidden_states, attention_mask=mask, sublayer_order=sublayer_order, output_attentions=output_attentions
+            )
+            if output_attentions:
+                all_attentions.append(weights)
+        if self.layer_norm is not None:
+            hidden_states = self.layer_norm(hidden_states)
+        if output_hidden_states:
+            all_hidden.append(hidden_states)
+        output = BaseModelOutput(
+            last_hidden_state=hidden_states,
+            hidden_states=tuple(all_hidden) if output_hidden_states else None,
+            attentions=tuple(all_attentions) if output_attentions else None,
+        )
+        return output if return_dict else output.to_tuple()
+
+
+class FlexformerDecoder(nn.Module):
+    """fairseq's `TransformerDecoder` without the output projection (the LM head lives in the top model).
+
+    Its pieces — `embed`, `self_attention_mask`, `run_layer`, `finalize` — are public so a method can write its own
+    layer loop (Depth-Adaptive early exit) without copying them.
+    """
+
+    def __init__(self, config: FlexformerConfig, embed_tokens: nn.Embedding, components: "BackboneComponents"):
+        super().__init__()
+        self.config = config
+        dim = config.decoder_embed_dim
+        self.padding_idx = config.pad_token_id
+        self.dropout = config.dropout
+        self.layerdrop = config.decoder_layerdrop
+        self.embed_scale = 1.0 if config.no_scale_embedding else math.sqrt(dim)
+        self.embed_tokens = embed_tokens
+        self.embed_positions = build_positional_embedding(config, "decoder", dim)
+        self.layernorm_embedding = nn.LayerNorm(dim) if config.layernorm_embedding else None
+        self.layers = nn.ModuleList(
+            [components.decoder_layer(config, i, components) for i in range(config.decoder_layers)]
+        )
+        self.layer_norm = nn.LayerNorm(dim) if config.decoder_normalize_before else None
+
+    def embed(self, input_ids: torch.Tensor | None, past_length: int = 0, inputs_embeds=None) -> torch.Tensor:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of decoder_input_ids and decoder_inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids) * self.embed_scale
+        hidden_states = inputs_embeds
+        if self.embed_positions is not None:
+            ids = input_ids if input_ids is not None else inputs_embeds.new_ones(inputs_embeds.shape[:2]).long() * (self.padding_idx + 1)
+            hidden_states = hidden_states + self.embed_positions(ids, past_length, dtype=hidden_states.dtype)
+        if self.layernorm_embedding is not None:
+            hidden_states = self.layernorm_embedding(hidden_states)
+        return F.dropout(hidden_states, p=self.dropout, training=self.training)
+
+    @staticmethod
+    def self_attention_mask(
+        batch_size: int, query_length: int, past_length: int, decoder_attention_mask, dtype, device
+    ) -> torch.Tensor | None:
+        """Additive causal (+ padding) mask `[batch, 1, q, past+q]`; None when SDPA's own causal path is exact
+        (no padding and either no past or a single query)."""
+        total = past_length + query_length
+        has_padding = decoder_attention_mask is not None and not bool(decoder_attention_mask[:, -total:].all())
+        if not has_padding and (past_length == 0 or query_length == 1):
+            return None
+        query_positions = torch.arange(past_length, total, device=device)[:, None]
+        allowed = (torch.arange(total, device=device)[None, :] <= query_positions)[None, None]
+        if has_padding:
+            allowed = allowed & decoder_attention_mask[:, None, None, -total:].bool()
+        allowed = allowed.expand(batch_size, 1, query_length, total)
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+    def run_layer(self, layer_idx: int, hidden_states: torch.Tensor, **layer_kwargs):
+        """Run block `layer_idx`; returns (hidden_states, self-attention weights, cross-attention weights)."""
+        return self.layers[layer_idx](hidden_states, **layer_kwargs)
+
+    def finalize(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The pre-norm stack's final LayerNorm (identity for post-norm)."""
+        return hidden_states if self.layer_norm is None else self.layer_norm(hidden_states)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool = False,
+        sublayer_order=None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+        return_dict: bool = True,
+        **attention_kwargs,
+    ) -> BaseModelOutputWithPastAndCrossAttentions:
+        if use_cache and past_key_values is None:
+            past_key_values = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        hidden_states = self.embed(input_ids, past_length, inputs_embeds)
+        batch, q_len = hidden_states.shape[:2]
+        self_mask = self.self_attention_mask(
+            batch, q_len, past_length, attention_mask, hidden_states.dtype, hidden_states.device
+        )
+        cross_mask = padding_mask(encoder_attention_mask, hidden_states.dtype)
+        all_hidden, all_self, all_cross = [], [], []
+        for idx in range(len(self.layers)):
+            if output_hidden_states:
+                all_hidden.append(hidden_states)
+            # LayerDrop only while training, where no cache is kept (a skipped layer's cache would fall behind).
+            if past_key_values is None and _layerdrop_skips(self, self.layerdrop):
+                continue
+            hidden_states, self_weights, cross_weights = self.run_layer(
+                idx,
+                hidden_states,
+                attention_mask=self_mask,
+                encoder_hidden_states=encoder_hidden_states,
+                encoder_attention_mask=cross_mask,
+                past_key_values=past_key_values,
+                sublayer_order=sublayer_order,
+                output_attentions=output_attentions,
+                **attention_kwargs,
+            )
+            if output_attentions:
+                all_self.append(self_weights)
+                all_cross.append(cross_weights)
+        hidden_states = self.finalize(hidden_states)
+        if output_hidden_states:
+            all_hidden.append(hidden_states)
+        output = BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values if use_cache else None,
+            hidden_states=tuple(all_hidden) if output_hidden_states else None,
+            attentions=tuple(all_self) if output_attentions else None,
+            cross_attentions=tuple(all_cross) if output_attentions else None,
+        )
+        return output if return_dict else output.to_tuple()
+
+
+@dataclass(frozen=True)
+class BackboneComponents:
+    """The classes the backbone is built from. A method replaces the ones it changes:
+    `components = BackboneComponents(decoder_self_attention=MyAttention)` on its model class."""
+
+    encoder_self_attention: type = FlexformerAttention
+    decoder_self_attention: type = FlexformerAttention
+    cross_attention: type = FlexformerAttention
+    feed_forward: type = FlexformerFeedForward
+    encoder_layer: type = FlexformerEncoderLayer
+    decoder_layer: type = FlexformerDecoderLayer
+    encoder: type = FlexformerEncoder
+    decoder: type = FlexformerDecoder
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Loss
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def label_smoothed_nll_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    epsilon: float,
+    ignore_index: int = -100,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fairseq 0.12's label-smoothed cross-entropy (`label_smoothed_cross_entropy`): with ε' = ε / (V - 1),
+    loss = (1 - ε - ε') · NLL + ε' · Σ_v −log p_v, summed over non-ignored tokens.
+
+    Returns (loss, nll_loss), each divided by `num_items_in_batch` when given (Trainer's token count for the whole
+    accumulated batch, which keeps gradient accumulation exact) and by the number of target tokens otherwise.
+    Computed in float32 so bf16 training keeps an accurate loss.
+    """
+    log_probs = F.log_softmax(logits.float(), dim=-1)
+    mask = labels.ne(ignore_index)
+    safe_labels = labels.masked_fill(~mask, 0)
+    nll = -log_probs.gather(-1, safe_labels.unsqueeze(-1)).squeeze(-1)
+    nll = nll.masked_fill(~mask, 0.0).sum()
+    if epsilon > 0:
+        smooth = -log_probs.sum(-1).masked_fill(~mask, 0.0).sum()
+        eps_i = epsilon / (log_probs.shape[-1] - 1)
+        loss = (1.0 - epsilon - eps_i) * nll + eps_i * smooth
+    else:
+        loss = nll
+    denominator = num_items_in_batch if num_items_in_batch is not None else mask.sum().clamp(min=1)
+    if isinstance(denominator, torch.Tensor):
+        denominator = denominator.to(loss.device)
+    return loss / denominator, nll / denominator
+
+
+def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
+    """Teacher-forcing decoder input: `</s>` (fairseq's decoder start), then the labels without their last token."""
+    shifted = labels.new_zeros(labels.shape)
+    shifted[:, 1:] = labels[:, :-1].clone()
+    shifted[:, 0] = decoder_start_token_id
+    return shifted.masked_fill(shifted == -100, pad_token_id)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Pretrained models
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _init_branched_linear(weight: torch.Tensor, num_branches: int, branch_dim: int, dim: int, gain: float):
+    """xavier-uniform for each branch's block separately (fan-in/out of one branch, as fairseq initialises each
+    of MAT's independent attentions)."""
+    for branch in range(num_branches):
+        block = weight.narrow(dim, branch * branch_dim, branch_dim)
+        nn.init.xavier_uniform_(block, gain=gain)
+
+
+class FlexformerPreTrainedModel(PreTrainedModel):
+    config_class = FlexformerConfig
+    config: FlexformerConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["FlexformerEncoderLayer", "FlexformerDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _supports_attention_backend = True
+    components: BackboneComponents = BackboneComponents()
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module):
+        """fairseq's initialisation: xavier-uniform projections (q/k/v with gain 1/√2, as fairseq's
+        `MultiheadAttention`; FFN and output projections with zero biases), token embeddings N(0, d^-0.5) with a
+        zero padding row, LayerNorm (1, 0)."""
+        if isinstance(module, FlexformerAttention):
+            for projection in (module.q_proj, module.k_proj, module.v_proj):
+                if not getattr(projection.weight, "_is_hf_initialized", False):
+                    _init_branched_linear(projection.weight, module.num_branches, module.embed_dim, 0, 2**-0.5)
+                    bound = 1.0 / math.sqrt(projection.in_features)
+                    nn.init.uniform_(projection.bias, -bound, bound)  # fairseq leaves nn.Linear's default bias
+        elif isinstance(module, FlexformerFeedForward):
+            if not getattr(module.fc1.weight, "_is_hf_initialized", False):
+                _init_branched_linear(module.fc1.weight, module.num_branches, module.ffn_dim, 0, 1.0)
+                nn.init.zeros_(module.fc1.bias)
+        elif isinstance(module, BranchMergeLinear):
+            if not getattr(module.weight, "_is_hf_initialized", False):
+                _init_branched_linear(module.weight, module.num_branches, module.in_features, 1, 1.0)
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, LearnedPositionalEmbedding):
+            if not getattr(module.weight, "_is_hf_initialized", False):
+                nn.init.normal_(module.weight, mean=0.0, std=module.embedding_dim**-0.5)
+                module.weight[module.padding_idx].zero_()
+        elif isinstance(module, nn.Embedding):
+            if not getattr(module.weight, "_is_hf_initialized", False):
+                nn.init.normal_(module.weight, mean=0.0, std=module.embedding_dim**-0.5)
+                if module.padding_idx is not None:
+                    module.weight[module.padding_idx].zero_()
+        elif isinstance(module, nn.LayerNorm):
+            if not getattr(module.weight, "_is_hf_initialized", False):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Linear):
+            if not getattr(module.weight, "_is_hf_initialized", False):
+                if module.bias is None:  # an output projection (untied LM head): fairseq's N(0, d^-0.5)
+                    nn.init.normal_(module.weight, mean=0.0, std=module.in_features**-0.5)
+                else:
+                    nn.init.xavier_uniform_(module.weight)
+                    nn.init.zeros_(module.bias)
+
+    @property
+    def dummy_inputs(self):
+        pad = self.config.pad_token_id
+        input_ids = torch.tensor([[5, 6, 10, 4, 2], [8, 12, 7, 2, pad]], device=self.device)
+        return {"input_ids": input_ids, "attention_mask": input_ids.ne(pad).long()}
+
+
+class FlexformerModel(FlexformerPreTrainedModel):
+    """Encoder + decoder (no LM head). With `share_all_embeddings` both use one embedding matrix."""
+
+    def __init__(self, config: FlexformerConfig):
+        super().__init__(config)
+        components = type(self).components
+        pad = config.pad_token_id
+        encoder_embeddings = nn.Embedding(config.vocab_size, config.encoder_embed_dim, pad)
+        if config.share_all_embeddings:
+            decoder_embeddings = encoder_embeddings
+            self._tied_weights_keys = {"encoder.embed_tokens.weight": "decoder.embed_tokens.weight"}
+        else:
+            decoder_embeddings = nn.Embedding(config.decoder_vocab_size, config.decoder_embed_dim, pad)
+            self._tied_weights_keys = {}
+        self.encoder = components.encoder(config, encoder_embeddings, components)
+        self.decoder = components.decoder(config, decoder_embeddings, components)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.encoder.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.encoder.embed_tokens = value
+        if self.config.share_all_embeddings:
+            self.decoder.embed_tokens = value
+
+    def get_encoder(self):
+        return self.encoder
+
+    def get_decoder(self):
+        return self.decoder
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        encoder_sublayer_order=None,
+        decoder_sublayer_order=None,
+        **decoder_attention_kwargs,
+    ) -> Seq2SeqModelOutput | tuple:
+        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        if attention_mask is None and input_ids is not None:
+            attention_mask = input_ids.ne(self.config.pad_token_id).long()
+        if encoder_outputs is None:
+            encoder_outputs = self.encoder(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                inputs_embeds=inputs_embeds,
+                sublayer_order=encoder_sublayer_order,
+                output_attentions=output_attentions,
+                output_hidden_states=output_hidden_states,
+            )
+        elif not isinstance(encoder_outputs, BaseModelOutput):
+            encoder_outputs = BaseModelOutput(
+                last_hidden_state=encoder_outputs[0],
+                hidden_states=encoder_outputs[1] if len(encoder_outputs) > 1 else None,
+                attentions=encoder_outputs[2] if len(encoder_outputs) > 2 else None,
+            )
+        if self.training and self.is_gradient_checkpointing and use_cache:
+            use_cache = False
+        decoder_outputs = self.decoder(
+            input_ids=decoder_input_ids,
+            attention_mask=decoder_attention_mask,
+            encoder_hidden_states=encoder_outputs.last_hidden_state,
+            encoder_attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            inputs_embeds=decoder_inputs_embeds,
+            use_cache=use_cache,
+            sublayer_order=decoder_sublayer_order,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            **decoder_attention_kwargs,
+        )
+        output = Seq2SeqModelOutput(
+            last_hidden_state=decoder_outputs.last_hidden_state,
+            past_key_values=decoder_outputs.past_key_values,
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_attentions=encoder_outputs.attentions,
+        )
+        return output if return_dict else output.to_tuple()
+
+
+class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, GenerationMixin):
+    """The baseline seq2seq model: `FlexformerModel` + output projection, label-smoothed loss, `generate()`."""
+
+    base_model_class = FlexformerModel
+    # `forward(**kwargs)` receives Trainer's `num_items_in_batch` and normalises the loss by it itself.
+    accepts_loss_kwargs = True
+
+    def __init__(self, config: FlexformerConfig):
+        super().__init__(config)
+        self.model = type(self).base_model_class(config)
+        self.lm_head = nn.Linear(config.decoder_embed_dim, config.decoder_vocab_size, bias=False)
+        if config.share_decoder_input_output_embed:
+            self._tied_weights_keys = {"lm_head.weight": "model.decoder.embed_tokens.weight"}
+        else:
+            self._tied_weights_keys = {}
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.get_input_embeddings()
+
+    def set_input_embeddings(self, value):
+        self.model.set_input_embeddings(value)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def get_encoder(self):
+        return self.model.encoder
+
+    def get_decoder(self):
+        return self.model.decoder
+
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
+
+    def compute_loss(self, logits, labels, num_items_in_batch=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Label-smoothed NLL with ε = `config.label_smoothing` (see `label_smoothed_nll_loss`)."""
+        return label_smoothed_nll_loss(
+            logits, labels, self.config.label_smoothing, num_items_in_batch=num_items_in_batch
+        )
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int = 0,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        **kwargs,
+    ) -> Seq2SeqLMOutput | tuple:
+        """`labels` (pad = -100) give the label-smoothed loss; `logits_to_keep=k` computes only the last k logits
+        (generation needs one). Extra keyword arguments (`encoder_sublayer_order`, `decoder_sublayer_order`,
+        attention kwargs of a method) go to the backbone."""
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        if labels is not None:
+            use_cache = False
+            if decoder_input_ids is None and decoder_inputs_embeds is None:
+                decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+        for key in ("cache_position", "position_ids", "decoder_position_ids"):
+            kwargs.pop(key, None)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_attention_mask,
+            encoder_outputs=encoder_outputs,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            decoder_inputs_embeds=decoder_inputs_embeds,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        if logits_to_keep:
+            hidden_states = hidden_states[:, -logits_to_keep:]
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss, _ = self.compute_loss(logits, labels, num_items_in_batch)
+        output = Seq2SeqLMOutput(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            decoder_hidden_states=outputs.decoder_hidden_states,
+            decoder_attentions=outputs.decoder_attentions,
+            cross_attentions=outputs.cross_attentions,
+            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
+            encoder_hidden_states=outputs.encoder_hidden_states,
+            encoder_attentions=outputs.encoder_attentions,
+        )
+        return output if return_dict else output.to_tuple()
+
+
+__all__ = [
+    "BackboneComponents",
+    "BranchMergeLinear",
+    "DECODER_SUBLAYERS",
+    "ENCODER_SUBLAYERS",
+    "FlexformerAttention",
+    "FlexformerDecoder",
+    "FlexformerDecoderLayer",
+    "FlexformerEncoder",
+    "FlexformerEncoderLayer",
+    "FlexformerFeedForward",
+    "FlexformerForConditionalGeneration",
+    "FlexformerModel",
+    "FlexformerPreTrainedModel",
+    "LearnedPositionalEmbedding",
+    "PerRowSublayerOrder",
+    "SinusoidalPositionalEmbedding",
+    "StepKVCollector",
+    "label_smoothed_nll_loss",
+    "make_positions",
+    "shift_tokens_right",
+    "sinusoidal_table",
+]
