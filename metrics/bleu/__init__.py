@@ -1,0 +1,1 @@
+"""Local evaluate metric module; see the sibling .py file."""

@@ -1,0 +1,237 @@
+"""Decode / evaluate a trained checkpoint (``flexformers-decode``).
+
+Evaluate a split (hypotheses written next to the model, metrics and sacrebleu signature printed, throughput
+measured, ``eval_results.json`` written into the checkpoint directory)::
+
+    flexformers-decode --model_name_or_path runs/quickstart --split test --num_beams 5 --length_penalty 1.0
+
+Quick look at a model on your own input (no metrics)::
+
+    flexformers-decode --model_name_or_path runs/quickstart --text "Return the sum of a and b."
+    echo "Return the sum of a and b." | flexformers-decode --model_name_or_path runs/quickstart --stdin
+
+The corpus options (``--task`` etc.) default to the ones the model was trained with (saved by
+``flexformers-train`` as ``flexformers_data_args.json``); any given on the command line override them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+from transformers import HfArgumentParser
+
+from training_scripts.arguments import DataArguments, describe_dataset
+from training_scripts.data import SPLITS, escape_line, load_corpus
+from training_scripts.metrics_utils import compute_generation_metrics
+from training_scripts.model_registry import get_method_spec
+from training_scripts.tokenizer import load_tokenizers
+
+logger = logging.getLogger("flexformers.decode")
+EVAL_RESULTS_FILE = "eval_results.json"
+
+
+@dataclass
+class DecodeArguments:
+    model_name_or_path: str = field(metadata={"help": "Directory of a trained model (output_dir or a checkpoint-N)."})
+    split: str = field(default="test", metadata={"help": "Split to decode and score: train, validation or test."})
+    num_beams: int = field(default=5, metadata={"help": "Beam size (1 = greedy)."})
+    length_penalty: float = field(default=1.0, metadata={"help": "Length penalty (fairseq --lenpen)."})
+    max_new_tokens: int | None = field(
+        default=None, metadata={"help": "Longest output in tokens (default: the training --max_target_length)."}
+    )
+    batch_size: int = field(default=32, metadata={"help": "Sentences per generate() call."})
+    max_samples: int | None = field(default=None, metadata={"help": "Decode only the first N examples of the split."})
+    text: list[str] | None = field(default=None, metadata={"help": "Translate these texts instead of a split."})
+    stdin: bool = field(default=False, metadata={"help": "Translate lines read from standard input (no metrics)."})
+    output_file: str | None = field(
+        default=None, metadata={"help": "Hypotheses file, one per line, newlines escaped as \\n (default: in the model dir)."}
+    )
+    num_samples_to_print: int = field(default=3, metadata={"help": "Show this many hypotheses next to references."})
+    bf16: bool = field(default=False, metadata={"help": "Cast the weights to bfloat16 (faster on CPUs with AMX)."})
+    device: str | None = field(default=None, metadata={"help": "cpu, cuda, cuda:1 ... (default: cuda if available)."})
+    write_eval_results: bool = field(default=True, metadata={"help": f"Write {EVAL_RESULTS_FILE} into the model dir."})
+    seed: int = field(default=0, metadata={"help": "Seed (for models that sample during decoding)."})
+
+    def __post_init__(self):
+        if self.split not in SPLITS:
+            raise ValueError(f"--split must be one of {', '.join(SPLITS)}, got {self.split!r}")
+        if self.num_beams < 1 or self.batch_size < 1:
+            raise ValueError("--num_beams and --batch_size must be positive")
+
+
+def load_model(model_dir: str | Path, device: str | torch.device = "cpu", bf16: bool = False):
+    """(model, source tokenizer, target tokenizer) from a directory written by ``flexformers-train``."""
+    model_dir = Path(model_dir)
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{model_dir} has no config.json; pass a directory written by flexformers-train")
+    model_type = json.loads(config_path.read_text()).get("model_type")
+    spec = get_method_spec(model_type)
+    model = spec.model_class.from_pretrained(str(model_dir))
+    model.to(device)
+    if bf16:
+        model.to(torch.bfloat16)
+    model.eval()
+    source_tokenizer, target_tokenizer = load_tokenizers(model_dir)
+    return model, source_tokenizer, target_tokenizer
+
+
+@torch.inference_mode()
+def generate_texts(
+    model, source_tokenizer, target_tokenizer, sources: list[str], num_beams: int = 5, length_penalty: float = 1.0,
+    max_new_tokens: int = 256, batch_size: int = 32, progress: bool = True,
+) -> tuple[list[str], dict]:
+    """Hypotheses for ``sources`` (in input order) and throughput statistics of the ``generate`` calls.
+
+    Sentences are batched by length (less padding); sources are truncated to the model's
+    ``max_source_positions``."""
+    from tqdm.auto import tqdm
+
+    max_source = getattr(model.config, "max_source_positions", 1024)
+    encoded = source_tokenizer(sources, add_special_tokens=True, truncation=True, max_length=max_source)["input_ids"]
+    order = sorted(range(len(sources)), key=lambda i: len(encoded[i]), reverse=True)
+    hypotheses: list[str | None] = [None] * len(sources)
+    generated_tokens = 0
+    seconds = 0.0
+    device = next(model.parameters()).device
+    batches = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+    for batch in tqdm(batches, desc="Decoding", disable=not progress):
+        padded = source_tokenizer.pad({"input_ids": [encoded[i] for i in batch]}, return_tensors="pt")
+        start = time.perf_counter()
+        output = model.generate(
+            input_ids=padded["input_ids"].to(device),
+            attention_mask=padded["attention_mask"].to(device),
+            num_beams=num_beams,
+            length_penalty=length_penalty,
+            max_new_tokens=max_new_tokens,
+            early_stopping=True if num_beams > 1 else False,
+        )
+        seconds += time.perf_counter() - start
+        sequences = output.sequences if hasattr(output, "sequences") else output
+        special = set(target_tokenizer.all_special_ids)
+        for row, index in enumerate(batch):
+            ids = [t for t in sequences[row].tolist() if t not in special]
+            generated_tokens += len(ids)
+            hypotheses[index] = target_tokenizer.decode(ids, skip_special_tokens=True)
+    stats = {
+        "sentences": len(sources),
+        "seconds": round(seconds, 3),
+        "sentences_per_second": round(len(sources) / seconds, 2) if seconds else None,
+        "tokens_per_second": round(generated_tokens / seconds, 1) if seconds else None,
+        "generated_tokens": generated_tokens,
+    }
+    return hypotheses, stats
+
+
+def _explicit_data_args(argv: list[str]) -> set[str]:
+    names = {f.name for f in fields(DataArguments)}
+    given = set()
+    for item in argv:
+        if item.startswith("--"):
+            name = item[2:].split("=", 1)[0]
+            if name in names:
+                given.add(name)
+    return given
+
+
+def parse_arguments(argv: list[str] | None = None) -> tuple[DecodeArguments, DataArguments]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = HfArgumentParser([DecodeArguments, DataArguments], description=__doc__.split("\n\n")[0])
+    decode_args, parsed_data_args = parser.parse_args_into_dataclasses(args=argv)
+    saved = DataArguments.load(decode_args.model_name_or_path)
+    if saved is None:
+        return decode_args, parsed_data_args
+    explicit = _explicit_data_args(argv)
+    merged = {f.name: getattr(parsed_data_args if f.name in explicit else saved, f.name) for f in fields(DataArguments)}
+    return decode_args, DataArguments(**merged)
+
+
+def run(decode_args: DecodeArguments, data_args: DataArguments) -> dict:
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    torch.manual_seed(decode_args.seed)
+    device = decode_args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, source_tokenizer, target_tokenizer = load_model(decode_args.model_name_or_path, device, decode_args.bf16)
+    max_new_tokens = decode_args.max_new_tokens or data_args.max_target_length
+    generation = dict(num_beams=decode_args.num_beams, length_penalty=decode_args.length_penalty,
+                      max_new_tokens=max_new_tokens, batch_size=decode_args.batch_size)
+
+    if decode_args.text or decode_args.stdin:
+        sources = list(decode_args.text or [])
+        if decode_args.stdin:
+            sources += [line.rstrip("\n") for line in sys.stdin if line.strip()]
+        if not sources:
+            raise ValueError("no input text (empty --text and standard input)")
+        hypotheses, stats = generate_texts(model, source_tokenizer, target_tokenizer, sources, progress=False, **generation)
+        for source, hypothesis in zip(sources, hypotheses):
+            print(f"SOURCE: {source}\nOUTPUT: {hypothesis}\n")
+        return {"hypotheses": hypotheses, "throughput": stats}
+
+    corpus = load_corpus(data_args)
+    split = corpus[decode_args.split]
+    if decode_args.max_samples is not None:
+        split = split.select(range(min(decode_args.max_samples, len(split))))
+    if len(split) == 0:
+        raise ValueError(f"split {decode_args.split!r} of {describe_dataset(data_args)} is empty")
+    sources, references = list(split["source"]), list(split["target"])
+    hypotheses, stats = generate_texts(model, source_tokenizer, target_tokenizer, sources, **generation)
+    scores = compute_generation_metrics(hypotheses, references, is_code=data_args.is_code)
+
+    model_dir = Path(decode_args.model_name_or_path)
+    output_file = Path(decode_args.output_file or model_dir / f"generations.{decode_args.split}.txt")
+    output_file.write_text("".join(escape_line(h) + "\n" for h in hypotheses), encoding="utf-8")
+    with open(output_file.with_suffix(".jsonl"), "w", encoding="utf-8") as handle:
+        for source, reference, hypothesis in zip(sources, references, hypotheses):
+            handle.write(json.dumps({"source": source, "reference": reference, "hypothesis": hypothesis}, ensure_ascii=False) + "\n")
+
+    metric_names = ["bleu", "chrf", "ter"] + (["pov"] if data_args.is_code else [])
+    results = {
+        "task": data_args.task,
+        "dataset": describe_dataset(data_args),
+        "split": decode_args.split,
+        "num_examples": len(sources),
+        "metrics": {name: round(scores[name], 2) for name in metric_names},
+        "sacrebleu_signature": scores["sacrebleu_signature"],
+        "chrf_signature": scores["chrf_signature"],
+        "ter_signature": scores["ter_signature"],
+        "num_beams": decode_args.num_beams,
+        "length_penalty": decode_args.length_penalty,
+        "max_new_tokens": max_new_tokens,
+        "throughput": dict(stats, device=str(device), dtype="bfloat16" if decode_args.bf16 else "float32",
+                           batch_size=decode_args.batch_size),
+    }
+    print_report(results, sources, references, hypotheses, decode_args.num_samples_to_print, output_file)
+    if decode_args.write_eval_results:
+        (model_dir / EVAL_RESULTS_FILE).write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n")
+    return results
+
+
+def print_report(results, sources, references, hypotheses, num_samples, output_file) -> None:
+    for index in range(min(num_samples, len(sources))):
+        print(f"--- sample {index + 1} " + "-" * 60)
+        print(f"SOURCE:     {sources[index]}")
+        print("REFERENCE:\n" + references[index])
+        print("GENERATED:\n" + hypotheses[index])
+    print("-" * 72)
+    labels = {"bleu": "BLEU", "chrf": "chrF", "ter": "TER", "pov": "PoV"}
+    metrics = "  ".join(f"{labels.get(name, name)} {value:.2f}" for name, value in results["metrics"].items())
+    print(f"{results['dataset']} [{results['split']}, {results['num_examples']} examples, beam {results['num_beams']}, "
+          f"lenpen {results['length_penalty']}]: {metrics}")
+    print(f"sacrebleu signature: {results['sacrebleu_signature']}")
+    throughput = results["throughput"]
+    print(f"throughput: {throughput['sentences_per_second']} sentences/s, {throughput['tokens_per_second']} tokens/s "
+          f"({throughput['dtype']}, {throughput['device']}, batch {throughput['batch_size']})")
+    print(f"hypotheses: {output_file}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return run(*parse_arguments(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""MAT (model type ``mat``): multi-branch attention, drop-branch, proximal initialisation.
+
+Extra flags (``--model_type mat``):
+
+- ``--baseline_checkpoint DIR``: proximal initialisation (Sec. 3.3): clone a trained flexformer baseline saved in
+  ``DIR`` into every branch, then train on (fresh optimizer, as in the official code). The MAT fields of the
+  config (``--config_overrides "encoder_attention_branches=2,decoder_attention_branches=2,drop_branch_rate=0.2"``
+  or a MAT preset) are applied on top of the baseline's architecture; the baseline's shapes win.
+
+Presets: every backbone preset plus ``MAT_PRESETS`` (e.g. ``mat_iwslt_de_en`` = 2/256/2048, ρ = 0.2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from configuration.configuration_mat import MATConfig
+from modeling.modeling_mat import MATForConditionalGeneration
+from training_scripts.model_registry import MethodSpec
+
+# Config fields a proximal initialisation takes from the training config (everything else is the baseline's).
+PROXIMAL_INIT_FIELDS = (
+    "encoder_attention_branches",
+    "decoder_attention_branches",
+    "encoder_ffn_branches",
+    "decoder_ffn_branches",
+    "drop_branch_rate",
+    "ffn_drop_branch_rate",
+    "drop_head_rate",
+    "branch_merge",
+    "dropout",
+    "attention_dropout",
+    "activation_dropout",
+    "label_smoothing",
+)
+
+
+@dataclasses.dataclass
+class MATArguments:
+    baseline_checkpoint: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "Proximal initialisation (MAT Sec. 3.3): directory of a trained flexformer baseline whose "
+            "attention (and FFN, for N_f > 1) layers are cloned into every branch."
+        },
+    )
+
+
+def build_mat_model(model_args, method_args, config: MATConfig, tokenizer) -> MATForConditionalGeneration:
+    """Resume a MAT checkpoint, proximally initialise from a baseline, or start from scratch, in that order."""
+    checkpoint = getattr(model_args, "model_name_or_path", None)
+    baseline = getattr(method_args, "baseline_checkpoint", None) if method_args is not None else None
+    if checkpoint and baseline:
+        raise ValueError("Give either --model_name_or_path (a MAT checkpoint) or --baseline_checkpoint, not both")
+    if checkpoint:
+        return MATForConditionalGeneration.from_pretrained(checkpoint, config=config)
+    if baseline:
+        overrides = {name: getattr(config, name) for name in PROXIMAL_INIT_FIELDS}
+        return MATForConditionalGeneration.from_baseline(baseline, **overrides)
+    return MATForConditionalGeneration(config)
+
+
+SPEC = MethodSpec(
+    model_type="mat",
+    config_class=MATConfig,
+    model_class=MATForConditionalGeneration,
+    arguments_class=MATArguments,
+    build_model=build_mat_model,
+    description="Multi-branch Attentive Transformer (drop-branch, drop-head, proximal initialisation)",
+)

@@ -1,0 +1,372 @@
+"""Train any flexformers model type with ``Seq2SeqTrainer`` (``flexformers-train``).
+
+    flexformers-train --model_type flexformer --preset transformer_iwslt_de_en --task translation \\
+        --target_lang de --output_dir runs/gettext-de --num_train_epochs 20
+
+Defaults follow the papers' fairseq recipe: Adam (0.9, 0.98), lr 5e-4, inverse-sqrt schedule with 4000 linear
+warm-up steps (transformers' ``inverse_sqrt`` equals fairseq's with ``warmup_init_lr=0``), weight decay 1e-4,
+label smoothing 0.1 inside the model, no gradient clipping, length-grouped batches; evaluation every epoch with
+``predict_with_generate`` (BLEU, chrF, TER and, for code, PoV) and the best checkpoint by BLEU. Every default can
+be overridden on the command line. Multi-process: ``torchrun --nproc_per_node=N -m training_scripts.train ...`` or
+``accelerate launch --config_file training_scripts/accelerate_configs/<cfg>.yaml -m training_scripts.train ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from transformers import HfArgumentParser, Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainerCallback, set_seed
+from transformers.trainer_utils import get_last_checkpoint
+
+from training_scripts.arguments import DataArguments, ModelArguments, describe_dataset, parse_config_overrides
+from training_scripts.data import load_corpus
+from training_scripts.metrics_utils import compute_generation_metrics
+from training_scripts.model_registry import MethodSpec, get_method_spec
+from training_scripts.tokenizer import (
+    SOURCE_TOKENIZER_SUBDIR,
+    build_tokenizers,
+    load_tokenizers,
+    save_tokenizers,
+)
+
+logger = logging.getLogger("flexformers.train")
+
+FAIRSEQ_TRAINING_DEFAULTS = dict(
+    learning_rate=5e-4,
+    adam_beta1=0.9,
+    adam_beta2=0.98,
+    adam_epsilon=1e-8,
+    weight_decay=1e-4,
+    lr_scheduler_type="inverse_sqrt",
+    warmup_steps=4000,
+    max_grad_norm=0.0,
+    train_sampling_strategy="group_by_length",
+    per_device_train_batch_size=32,
+    per_device_eval_batch_size=32,
+    predict_with_generate=True,
+    generation_num_beams=1,
+    eval_strategy="epoch",
+    save_strategy="epoch",
+    logging_strategy="steps",
+    logging_steps=50,
+    load_best_model_at_end=True,
+    metric_for_best_model="bleu",
+    greater_is_better=True,
+    save_total_limit=3,
+    output_dir="runs/flexformers",
+    dataloader_pin_memory=torch.cuda.is_available(),
+)
+
+
+def _report_to_default() -> list[str]:
+    return ["tensorboard"] if importlib.util.find_spec("tensorboard") is not None else ["none"]
+
+
+def _flag_value(argv: list[str], name: str) -> str | None:
+    for index, item in enumerate(argv):
+        if item == f"--{name}" and index + 1 < len(argv):
+            return argv[index + 1]
+        if item.startswith(f"--{name}="):
+            return item.split("=", 1)[1]
+    return None
+
+
+def _align_save_with_eval(argv: list[str]) -> list[str]:
+    """Checkpoint when evaluating unless told otherwise: ``--eval_strategy steps --eval_steps 500`` alone then
+    implies the same save schedule (keeping the best checkpoint needs both to match), and ``--eval_strategy no``
+    turns off ``load_best_model_at_end``."""
+    argv = list(argv)
+    eval_strategy = _flag_value(argv, "eval_strategy")
+    if eval_strategy is not None and _flag_value(argv, "save_strategy") is None:
+        argv += ["--save_strategy", eval_strategy if eval_strategy != "no" else "steps"]
+    eval_steps = _flag_value(argv, "eval_steps")
+    if eval_steps is not None and _flag_value(argv, "save_steps") is None:
+        argv += ["--save_steps", eval_steps]
+    if eval_strategy == "no" and _flag_value(argv, "load_best_model_at_end") is None:
+        argv += ["--load_best_model_at_end", "false"]
+    return argv
+
+
+def parse_arguments(argv: list[str] | None = None):
+    """(spec, model_args, data_args, training_args, method_args). ``--model_type`` is read first so the method's
+    own argument dataclass joins the parser (and its ``--help``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model_type", default=ModelArguments.model_type)
+    known, _ = pre.parse_known_args(argv)
+    spec = get_method_spec(known.model_type)
+    classes = [ModelArguments, DataArguments, Seq2SeqTrainingArguments]
+    if spec.arguments_class is not None:
+        classes.append(spec.arguments_class)
+    argv = _align_save_with_eval(argv)
+    parser = HfArgumentParser(classes, description=__doc__.split("\n\n")[0])
+    parser.set_defaults(**FAIRSEQ_TRAINING_DEFAULTS, report_to=_report_to_default())
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        parsed = parser.parse_json_file(os.path.abspath(argv[0]))
+    else:
+        parsed = parser.parse_args_into_dataclasses(args=argv)
+    model_args, data_args, training_args = parsed[:3]
+    method_args = parsed[3] if spec.arguments_class is not None else None
+    if training_args.label_smoothing_factor:
+        raise ValueError(
+            "--label_smoothing_factor would make Seq2SeqTrainer discard the model's own loss; "
+            "use --label_smoothing (applied inside the model) instead"
+        )
+    return spec, model_args, data_args, training_args, method_args
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Building blocks (also used by tests and the quickstart)
+# --------------------------------------------------------------------------------------------------------------
+def resolve_tokenizers(model_args: ModelArguments, corpus, output_dir: str | None, resume_checkpoint: str | None):
+    """Reuse a saved tokenizer (explicit path, the checkpoint being resumed, the output dir, or the initial model)
+    or train a BPE on the training split."""
+    for candidate in (model_args.tokenizer_name_or_path, resume_checkpoint, output_dir, model_args.model_name_or_path):
+        if candidate and (Path(candidate) / "tokenizer.json").is_file():
+            logger.info("Using the tokenizer saved in %s", candidate)
+            return load_tokenizers(candidate)
+    if model_args.tokenizer_name_or_path:
+        raise ValueError(f"--tokenizer_name_or_path {model_args.tokenizer_name_or_path} has no tokenizer.json")
+    logger.info("Training a byte-level BPE (%s, %d) on %d training pairs",
+                "joint" if model_args.joint_vocab else "separate", model_args.vocab_size, len(corpus["train"]))
+    return build_tokenizers(
+        corpus["train"]["source"],
+        corpus["train"]["target"],
+        joint=model_args.joint_vocab,
+        vocab_size=model_args.vocab_size,
+        target_vocab_size=model_args.target_vocab_size,
+        min_frequency=model_args.bpe_min_frequency,
+    )
+
+
+def build_config(spec: MethodSpec, model_args: ModelArguments, source_tokenizer, target_tokenizer, method_args=None):
+    """``spec.config_class.from_preset(preset, **overrides)`` with the tokenizer's vocabulary and special ids."""
+    overrides = parse_config_overrides(model_args.config_overrides)
+    overrides.setdefault("label_smoothing", model_args.label_smoothing)
+    overrides["vocab_size"] = len(source_tokenizer)
+    if source_tokenizer is not target_tokenizer:
+        overrides["target_vocab_size"] = len(target_tokenizer)
+        overrides["share_all_embeddings"] = False
+    else:
+        overrides.pop("target_vocab_size", None)
+    overrides.update(pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+    if hasattr(spec.config_class, "unk_token_id") or "unk_token_id" in getattr(spec.config_class, "__dataclass_fields__", {}):
+        overrides["unk_token_id"] = 3
+    config = spec.config_class.from_preset(model_args.preset, **overrides)
+    return spec.make_config(config, method_args)
+
+
+def tokenize_corpus(corpus, source_tokenizer, target_tokenizer, data_args: DataArguments, filter_long: bool = True):
+    """input_ids / attention_mask / labels / length for every split; pairs longer than the caps are dropped."""
+
+    def encode(batch):
+        sources = source_tokenizer(batch["source"], add_special_tokens=True)["input_ids"]
+        targets = target_tokenizer(batch["target"], add_special_tokens=True)["input_ids"]
+        return {
+            "input_ids": sources,
+            "attention_mask": [[1] * len(ids) for ids in sources],
+            "labels": targets,
+            "length": [len(ids) for ids in sources],
+        }
+
+    columns = corpus["train"].column_names
+    tokenized = corpus.map(
+        encode, batched=True, remove_columns=columns, num_proc=data_args.preprocessing_num_workers,
+        desc="Tokenizing",
+    )
+    if filter_long:
+        before = {split: len(ds) for split, ds in tokenized.items()}
+        tokenized = tokenized.filter(
+            lambda row: len(row["input_ids"]) <= data_args.max_source_length
+            and len(row["labels"]) <= data_args.max_target_length,
+            num_proc=data_args.preprocessing_num_workers,
+            desc="Dropping over-long pairs",
+        )
+        dropped = {split: before[split] - len(ds) for split, ds in tokenized.items()}
+        if any(dropped.values()):
+            logger.info("Dropped pairs over %d source / %d target tokens: %s",
+                        data_args.max_source_length, data_args.max_target_length, dropped)
+    return tokenized
+
+
+def _limit(dataset, count):
+    return dataset if count is None or count >= len(dataset) else dataset.select(range(count))
+
+
+def make_compute_metrics(target_tokenizer, is_code: bool):
+    """``compute_metrics`` for ``predict_with_generate``: BLEU/chrF/TER (+PoV) on detokenised texts."""
+    pad_id = target_tokenizer.pad_token_id
+
+    def compute_metrics(eval_prediction):
+        predictions, labels = eval_prediction.predictions, eval_prediction.label_ids
+        if isinstance(predictions, tuple):
+            predictions = predictions[0]
+        predictions = np.where(predictions < 0, pad_id, predictions)
+        labels = np.where(labels < 0, pad_id, labels)
+        hypotheses = target_tokenizer.batch_decode(predictions, skip_special_tokens=True)
+        references = target_tokenizer.batch_decode(labels, skip_special_tokens=True)
+        scores = compute_generation_metrics(hypotheses, references, is_code=is_code)
+        logger.info("sacrebleu signature: %s", scores["sacrebleu_signature"])
+        result = {k: round(v, 4) for k, v in scores.items() if isinstance(v, float)}
+        result["gen_len"] = float(np.mean([np.count_nonzero(row != pad_id) for row in predictions]))
+        return result
+
+    return compute_metrics
+
+
+class MaxTimeCallback(TrainerCallback):
+    """Stop (and save) once ``max_minutes`` of training wall time have passed; all ranks stop at the same step."""
+
+    def __init__(self, max_minutes: float):
+        self.max_seconds = 60.0 * max_minutes
+        self.start = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        expired = torch.tensor([float(time.monotonic() - self.start >= self.max_seconds)])
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Ranks see slightly different clocks; one stopping alone would hang the others' all-reduce.
+            torch.distributed.all_reduce(expired, op=torch.distributed.ReduceOp.MAX)
+        if expired.item() > 0:
+            logger.info("Reached --max_train_minutes at step %d; stopping", state.global_step)
+            control.should_training_stop = True
+            control.should_save = True
+        return control
+
+
+class SaveSidecarFilesCallback(TrainerCallback):
+    """Make every checkpoint directory self-contained for ``flexformers-decode``: the data arguments (task,
+    corpus) and, with separate vocabularies, the source tokenizer."""
+
+    def __init__(self, data_args: DataArguments, source_tokenizer=None):
+        self.data_args = data_args
+        self.source_tokenizer = source_tokenizer
+
+    def on_save(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if checkpoint.is_dir():
+            self.data_args.save(checkpoint)
+            if self.source_tokenizer is not None:
+                self.source_tokenizer.save_pretrained(str(checkpoint / SOURCE_TOKENIZER_SUBDIR))
+
+
+def find_resume_checkpoint(training_args) -> str | None:
+    """``--resume_from_checkpoint PATH`` or ``--resume_from_checkpoint latest`` (the newest in output_dir)."""
+    value = training_args.resume_from_checkpoint
+    if value in (None, "", "false", "False"):
+        return None
+    if value in ("latest", "last", "true", "True"):
+        last = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
+        if last is None:
+            raise ValueError(f"--resume_from_checkpoint {value}: no checkpoint-* directory in {training_args.output_dir}")
+        return last
+    if not os.path.isdir(value):
+        raise ValueError(f"--resume_from_checkpoint {value}: no such directory")
+    return value
+
+
+# --------------------------------------------------------------------------------------------------------------
+def run(spec, model_args, data_args, training_args, method_args) -> dict:
+    """Train / evaluate / predict as requested; returns the metrics of each phase."""
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO if training_args.should_log else logging.WARNING
+    )
+    transformers.utils.logging.set_verbosity_warning()
+    set_seed(training_args.seed)
+    if training_args.generation_max_length is None:
+        training_args.generation_max_length = data_args.max_target_length
+    resume_checkpoint = find_resume_checkpoint(training_args)
+
+    with training_args.main_process_first(desc="building the corpus"):
+        corpus = load_corpus(data_args)
+    logger.info("Corpus %s: %s", describe_dataset(data_args), {k: len(v) for k, v in corpus.items()})
+
+    with training_args.main_process_first(desc="tokenizer"):
+        source_tokenizer, target_tokenizer = resolve_tokenizers(model_args, corpus, training_args.output_dir, resume_checkpoint)
+        if training_args.should_save:
+            save_tokenizers(training_args.output_dir, source_tokenizer, target_tokenizer)
+            data_args.save(training_args.output_dir)
+    logger.info("Vocabulary: %d source / %d target tokens", len(source_tokenizer), len(target_tokenizer))
+
+    config = build_config(spec, model_args, source_tokenizer, target_tokenizer, method_args)
+    model = spec.make_model(model_args, method_args, config, target_tokenizer)
+    if getattr(model.generation_config, "max_length", None) in (None, 20):
+        model.generation_config.max_length = data_args.max_target_length
+    logger.info("%s with %s parameters", type(model).__name__, f"{sum(p.numel() for p in model.parameters()):,}")
+
+    with training_args.main_process_first(desc="tokenizing"):
+        tokenized = tokenize_corpus(corpus, source_tokenizer, target_tokenizer, data_args)
+    train_dataset = _limit(tokenized["train"], data_args.max_train_samples)
+    eval_dataset = _limit(tokenized["validation"], data_args.max_eval_samples)
+    test_dataset = _limit(tokenized["test"], data_args.max_predict_samples)
+
+    callbacks = spec.make_callbacks(method_args)
+    callbacks.append(SaveSidecarFilesCallback(data_args, source_tokenizer if source_tokenizer is not target_tokenizer else None))
+    if model_args.max_train_minutes:
+        callbacks.append(MaxTimeCallback(model_args.max_train_minutes))
+    trainer_class = spec.trainer_class or Seq2SeqTrainer
+    trainer = trainer_class(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset if training_args.do_train else None,
+        eval_dataset=eval_dataset if (training_args.do_eval or training_args.eval_strategy != "no") else None,
+        processing_class=target_tokenizer,
+        data_collator=spec.make_data_collator(source_tokenizer, model, method_args),
+        compute_metrics=make_compute_metrics(target_tokenizer, data_args.is_code) if training_args.predict_with_generate else None,
+        callbacks=callbacks,
+    )
+
+    results: dict = {}
+    if training_args.do_train:
+        train_result = trainer.train(resume_from_checkpoint=resume_checkpoint)
+        trainer.save_model()
+        if trainer.is_world_process_zero():
+            save_tokenizers(training_args.output_dir, source_tokenizer, target_tokenizer)
+            data_args.save(training_args.output_dir)
+        metrics = dict(train_result.metrics, train_samples=len(train_dataset))
+        trainer.log_metrics("train", metrics)
+        trainer.save_metrics("train", metrics)
+        trainer.save_state()
+        results["train"] = metrics
+    if training_args.do_eval:
+        metrics = trainer.evaluate(metric_key_prefix="eval")
+        metrics["eval_samples"] = len(eval_dataset)
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
+        results["eval"] = metrics
+    if training_args.do_predict:
+        prediction = trainer.predict(test_dataset, metric_key_prefix="test")
+        metrics = dict(prediction.metrics, test_samples=len(test_dataset))
+        trainer.log_metrics("test", metrics)
+        trainer.save_metrics("test", metrics)
+        results["test"] = metrics
+        if trainer.is_world_process_zero() and training_args.predict_with_generate:
+            ids = np.where(prediction.predictions < 0, target_tokenizer.pad_token_id, prediction.predictions)
+            texts = target_tokenizer.batch_decode(ids, skip_special_tokens=True)
+            path = Path(training_args.output_dir) / "test_generations.jsonl"
+            with open(path, "w", encoding="utf-8") as handle:
+                for text in texts:
+                    handle.write(json.dumps({"hypothesis": text}, ensure_ascii=False) + "\n")
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return run(*parse_arguments(argv))
+
+
+if __name__ == "__main__":
+    main()
