@@ -27,6 +27,10 @@ from .modeling_mat import MATConfig, MATForConditionalGeneration, MATModel, regi
 
 _register(MATConfig, MATModel, MATForConditionalGeneration)
 register_mat_classifiers()  # MAT's encoder-only classifiers (mat_roberta, mat_bert): AutoModelForSequenceClassification
+from .modeling_mat import MATConfig, MATForConditionalGeneration, MATModel, register_mat_classifiers  # noqa: E402
+
+_register(MATConfig, MATModel, MATForConditionalGeneration)
+register_mat_classifiers()  # MAT's encoder-only classifiers (mat_roberta, mat_bert): AutoModelForSequenceClassification
 
 __all__ = [
     "BackboneComponents",
