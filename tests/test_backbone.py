@@ -1,0 +1,542 @@
+"""The baseline model: fairseq semantics, Transformers conventions, and the seams the methods extend."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, GenerationConfig
+
+import flexformers  # noqa: F401  (registers the model types)
+from configuration import PRESETS, FlexformerConfig
+from modeling.modeling_flexformer import (
+    BranchMergeLinear,
+    FlexformerForConditionalGeneration,
+    FlexformerModel,
+    PerRowSublayerOrder,
+    StepKVCollector,
+    label_smoothed_nll_loss,
+    make_positions,
+    sinusoidal_table,
+)
+from tests.conftest import tiny_config_kwargs
+
+PAD = 1
+
+
+def tiny_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return FlexformerForConditionalGeneration(FlexformerConfig(**tiny_config_kwargs(**overrides))).eval()
+
+
+def batch(seed=1, rows=3, src_len=7, tgt_len=6, vocab=60):
+    generator = torch.Generator().manual_seed(seed)
+    source = torch.randint(5, vocab, (rows, src_len), generator=generator)
+    source[-1, src_len - 2 :] = PAD  # one right-padded sentence
+    target = torch.randint(5, vocab, (rows, tgt_len), generator=generator)
+    return source, target
+
+
+def incremental_logits(model, source, decoder_input_ids, **kwargs):
+    out = model(input_ids=source, decoder_input_ids=decoder_input_ids[:, :1], use_cache=True, **kwargs)
+    logits, cache = [out.logits], out.past_key_values
+    for t in range(1, decoder_input_ids.shape[1]):
+        out = model(
+            encoder_outputs=(out.encoder_last_hidden_state,),
+            attention_mask=source.ne(PAD).long(),
+            decoder_input_ids=decoder_input_ids[:, t : t + 1],
+            past_key_values=cache,
+            use_cache=True,
+            **kwargs,
+        )
+        logits.append(out.logits)
+    return torch.cat(logits, dim=1)
+
+
+# ---- parameter counts and presets ----------------------------------------------------------------------------------
+
+
+def test_iwslt_preset_has_exactly_fairseqs_parameter_count():
+    config = FlexformerConfig.from_preset("transformer_iwslt_de_en", vocab_size=10152)
+    with torch.device("meta"):
+        model = FlexformerForConditionalGeneration(config)
+    assert sum(p.numel() for p in model.parameters()) == 36_741_120
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_builds_with_its_architecture(name):
+    config = FlexformerConfig.from_preset(name, vocab_size=1000)
+    for key, value in PRESETS[name].items():
+        assert getattr(config, key) == value
+    with torch.device("meta"):
+        model = FlexformerForConditionalGeneration(config)
+    assert len(model.model.encoder.layers) == config.encoder_layers
+    assert len(model.model.decoder.layers) == config.decoder_layers
+
+
+def test_unknown_preset_is_a_clear_error():
+    with pytest.raises(ValueError, match="preset"):
+        FlexformerConfig.from_preset("transformer_tiny_nonexistent")
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("encoder_attention_heads", 3),
+        ("decoder_attention_heads", 5),
+        ("dropout", -0.1),
+        ("attention_dropout", 1.5),
+        ("decoder_layers", 0),
+        ("activation_function", "sigmoid-ish"),
+        ("label_smoothing", 1.0),
+        ("encoder_layerdrop", 1.0),
+        ("decoder_attention_branches", 0),
+    ],
+)
+def test_bad_config_value_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        FlexformerConfig(**tiny_config_kwargs(**{field: value}))
+
+
+def test_share_all_embeddings_needs_equal_dims():
+    with pytest.raises(ValueError, match="share_all_embeddings"):
+        FlexformerConfig(**tiny_config_kwargs(share_all_embeddings=True, decoder_embed_dim=16))
+
+
+def test_separate_encoder_and_decoder_dims_build_and_run():
+    """The Depth-Adaptive IWSLT setting: d_enc ≠ d_dec (cross-attention keys come from the encoder width)."""
+    model = tiny_model(decoder_embed_dim=16, decoder_ffn_embed_dim=32, target_vocab_size=40)
+    source, target = batch()
+    logits = model(input_ids=source, decoder_input_ids=target % 40).logits
+    assert logits.shape == (3, 6, 40)
+
+
+def test_auto_classes_know_every_flexformer_type():
+    config = AutoConfig.for_model("flexformer", **tiny_config_kwargs())
+    assert isinstance(AutoModelForSeq2SeqLM.from_config(config), FlexformerForConditionalGeneration)
+    assert isinstance(AutoModel.from_config(config), FlexformerModel)
+
+
+# ---- fairseq semantics ---------------------------------------------------------------------------------------------
+
+
+def test_positions_skip_padding_like_fairseq():
+    ids = torch.tensor([[7, 8, 9, PAD], [PAD, 7, 8, 9]])
+    assert make_positions(ids, PAD).tolist() == [[2, 3, 4, 1], [1, 2, 3, 4]]
+
+
+def test_sinusoidal_table_matches_fairseq_layout():
+    table = sinusoidal_table(10, 8, PAD)
+    assert torch.all(table[PAD] == 0)
+    half = 4
+    frequency = math.exp(-math.log(10000) / (half - 1))
+    assert table[3, 1].item() == pytest.approx(math.sin(3 * frequency), abs=1e-6)
+    assert table[3, half + 1].item() == pytest.approx(math.cos(3 * frequency), abs=1e-6)
+
+
+def test_sinusoidal_positions_are_not_parameters_and_embeddings_are_scaled():
+    model = tiny_model()
+    names = [name for name, _ in model.named_parameters()]
+    assert not any("embed_positions" in name for name in names)
+    assert model.model.encoder.embed_scale == pytest.approx(math.sqrt(32))
+
+
+def test_initialisation_follows_fairseq():
+    model = tiny_model(vocab_size=2000, encoder_embed_dim=64, decoder_embed_dim=64, share_all_embeddings=True)
+    embeddings = model.model.encoder.embed_tokens.weight
+    assert torch.all(embeddings[PAD] == 0)
+    assert embeddings.std().item() == pytest.approx(64**-0.5, rel=0.05)
+    fc1 = model.model.encoder.layers[0].ffn.fc1
+    bound = math.sqrt(6 / (fc1.in_features + fc1.out_features))
+    assert fc1.weight.abs().max().item() <= bound and torch.all(fc1.bias == 0)
+    layer_norm = model.model.decoder.layers[0].final_layer_norm
+    assert torch.all(layer_norm.weight == 1) and torch.all(layer_norm.bias == 0)
+
+
+def test_label_smoothed_loss_matches_fairseq_formula():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 11)
+    labels = torch.tensor([[1, 2, 3], [4, -100, -100]])
+    epsilon = 0.1
+    loss, nll = label_smoothed_nll_loss(logits, labels, epsilon)
+    log_probs = torch.log_softmax(logits, -1)
+    expected_loss, expected_nll, count = 0.0, 0.0, 0
+    for b in range(2):
+        for t in range(3):
+            if labels[b, t] == -100:
+                continue
+            count += 1
+            token_nll = -log_probs[b, t, labels[b, t]]
+            smooth = -log_probs[b, t].sum()
+            eps_i = epsilon / (11 - 1)
+            expected_loss += (1 - epsilon - eps_i) * token_nll + eps_i * smooth
+            expected_nll += token_nll
+    assert loss.item() == pytest.approx(expected_loss.item() / count, rel=1e-5)
+    assert nll.item() == pytest.approx(expected_nll.item() / count, rel=1e-5)
+
+
+def test_loss_normalised_by_num_items_keeps_gradient_accumulation_exact():
+    """Two half-batches, each divided by the full batch's token count, sum to the full batch's loss."""
+    model = tiny_model(label_smoothing=0.1)
+    source, target = batch(rows=4)
+    target[1, 3:] = -100
+    full = model(input_ids=source, labels=target).loss
+    total_tokens = target.ne(-100).sum()
+    halves = sum(
+        model(input_ids=source[i : i + 2], labels=target[i : i + 2], num_items_in_batch=total_tokens).loss
+        for i in (0, 2)
+    )
+    assert halves.item() == pytest.approx(full.item(), rel=1e-5)
+
+
+# ---- incremental decoding, batching, attention implementations ----------------------------------------------------
+
+
+@pytest.mark.parametrize("normalize_before", [False, True])
+@pytest.mark.parametrize("learned_pos", [False, True])
+def test_incremental_decoding_equals_full_forward(normalize_before, learned_pos):
+    model = tiny_model(
+        encoder_normalize_before=normalize_before,
+        decoder_normalize_before=normalize_before,
+        encoder_learned_pos=learned_pos,
+        decoder_learned_pos=learned_pos,
+    )
+    source, target = batch()
+    with torch.no_grad():
+        full = model(input_ids=source, decoder_input_ids=target).logits
+        incremental = incremental_logits(model, source, target)
+    torch.testing.assert_close(incremental, full, atol=1e-5, rtol=0)
+
+
+def test_padded_batch_equals_each_sentence_alone():
+    model = tiny_model()
+    source, target = batch()
+    with torch.no_grad():
+        together = model(input_ids=source, decoder_input_ids=target).logits
+        for row in range(source.shape[0]):
+            length = int(source[row].ne(PAD).sum())
+            alone = model(input_ids=source[row : row + 1, :length], decoder_input_ids=target[row : row + 1]).logits
+            torch.testing.assert_close(together[row : row + 1], alone, atol=1e-5, rtol=0)
+
+
+def test_left_padded_source_equals_right_padded():
+    model = tiny_model()
+    right = torch.tensor([[7, 8, 9, 10, PAD, PAD]])
+    left = torch.tensor([[PAD, PAD, 7, 8, 9, 10]])
+    target = torch.tensor([[2, 11, 12]])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(input_ids=left, decoder_input_ids=target).logits,
+            model(input_ids=right, decoder_input_ids=target).logits,
+            atol=1e-5,
+            rtol=0,
+        )
+
+
+def test_eager_equals_sdpa(tmp_path):
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    source, target = batch()
+    sdpa = FlexformerForConditionalGeneration.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    eager = FlexformerForConditionalGeneration.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        a = sdpa(input_ids=source, decoder_input_ids=target).logits
+        b = eager(input_ids=source, decoder_input_ids=target, output_attentions=True)
+    torch.testing.assert_close(a, b.logits, atol=1e-5, rtol=0)
+    assert len(b.decoder_attentions) == 2 and b.decoder_attentions[0].shape == (3, 4, 6, 6)
+    assert b.cross_attentions[0].shape == (3, 4, 6, 7)
+
+
+def test_hidden_states_and_tuple_outputs():
+    model = tiny_model()
+    source, target = batch()
+    out = model(input_ids=source, decoder_input_ids=target, output_hidden_states=True)
+    assert len(out.decoder_hidden_states) == 3 and len(out.encoder_hidden_states) == 3
+    as_tuple = model(input_ids=source, decoder_input_ids=target, return_dict=False)
+    torch.testing.assert_close(as_tuple[0], out.logits)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = tiny_model(label_smoothing=0.1).train()
+    source, target = batch()
+    model(input_ids=source, labels=target).loss.backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert model.model.decoder.layers[0].gradient_checkpointing
+    model(input_ids=source, labels=target).loss.backward()
+    for name, param in model.named_parameters():
+        if name in reference:
+            torch.testing.assert_close(param.grad, reference[name], atol=1e-6, rtol=1e-5)
+
+
+def test_save_load_round_trip_is_bit_identical(tmp_path):
+    model = tiny_model(share_all_embeddings=True)
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.decoder.embed_tokens.weight.data_ptr()
+    assert loaded.model.encoder.embed_tokens.weight.data_ptr() == loaded.model.decoder.embed_tokens.weight.data_ptr()
+    source, target = batch()
+    with torch.no_grad():
+        assert torch.equal(
+            model(input_ids=source, decoder_input_ids=target).logits,
+            loaded(input_ids=source, decoder_input_ids=target).logits,
+        )
+
+
+def test_untied_output_projection_round_trip(tmp_path):
+    model = tiny_model(share_decoder_input_output_embed=False)
+    assert model.lm_head.weight.data_ptr() != model.model.decoder.embed_tokens.weight.data_ptr()
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path)
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+# ---- generation ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(do_sample=False),
+        dict(num_beams=4, length_penalty=1.2),
+        dict(num_beams=4, num_return_sequences=3, early_stopping=True),
+        dict(num_beams=3, no_repeat_ngram_size=2, min_new_tokens=3),
+    ],
+)
+def test_generation_with_cache_equals_without(options):
+    model = tiny_model()
+    source, _ = batch()
+    with_cache = model.generate(source, max_new_tokens=8, **options)
+    without = model.generate(source, max_new_tokens=8, use_cache=False, **options)
+    assert torch.equal(with_cache, without)
+
+
+def test_greedy_generation_is_argmax_of_full_forward():
+    model = tiny_model()
+    source, _ = batch()
+    generated = model.generate(source, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    with torch.no_grad():
+        logits = model(input_ids=source, decoder_input_ids=generated[:, :-1]).logits
+    assert torch.equal(logits.argmax(-1), generated[:, 1:])
+
+
+def test_generation_options_are_honoured():
+    model = tiny_model()
+    source, _ = batch()
+    forced = model.generate(source, max_new_tokens=5, forced_bos_token_id=9, do_sample=False)
+    assert torch.all(forced[:, 1] == 9)
+    torch.manual_seed(0)
+    sampled = model.generate(source, max_new_tokens=5, do_sample=True, top_k=5, num_return_sequences=2)
+    assert sampled.shape[0] == 6
+    config = GenerationConfig(max_new_tokens=4, num_beams=2, decoder_start_token_id=2, pad_token_id=1, eos_token_id=2)
+    out = model.generate(source, generation_config=config, return_dict_in_generate=True, output_scores=True)
+    assert out.sequences.shape[1] <= 5 and out.sequences_scores.shape == (3,)
+
+
+def test_batched_beam_search_equals_each_sentence_alone():
+    model = tiny_model()
+    # A random tiny model is nearly uniform, so beams tie up to float noise; sharpen it so the search has one answer.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    source, _ = batch()
+    together = model.generate(source, max_new_tokens=6, num_beams=3, min_new_tokens=6)
+    for row in range(source.shape[0]):
+        length = int(source[row].ne(PAD).sum())
+        alone = model.generate(source[row : row + 1, :length], max_new_tokens=6, num_beams=3, min_new_tokens=6)
+        assert torch.equal(together[row, : alone.shape[1]], alone[0])
+
+
+# ---- seams -----------------------------------------------------------------------------------------------------------
+
+
+def test_branch_merge_with_one_branch_is_nn_linear():
+    torch.manual_seed(0)
+    merge = BranchMergeLinear(1, 8, 5)
+    torch.nn.init.normal_(merge.weight)
+    torch.nn.init.normal_(merge.bias)
+    x = torch.randn(2, 3, 1, 8)
+    assert torch.equal(merge(x), torch.nn.functional.linear(x[:, :, 0], merge.weight, merge.bias[0]))
+
+
+def test_branch_merge_is_the_weighted_sum_of_branch_linears():
+    torch.manual_seed(0)
+    merge = BranchMergeLinear(3, 4, 5)
+    torch.nn.init.normal_(merge.weight)
+    torch.nn.init.normal_(merge.bias)
+    x = torch.randn(2, 6, 3, 4)
+    weights = torch.tensor([0.5, 0.0, 2.0])
+    expected = sum(
+        weights[b] * (x[:, :, b] @ merge.branch_weight(b).T + merge.bias[b]) for b in range(3)
+    )
+    torch.testing.assert_close(merge(x, weights), expected, atol=1e-5, rtol=1e-5)
+    per_row = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    out = merge(x, per_row)
+    torch.testing.assert_close(out[0], x[0, :, 0] @ merge.branch_weight(0).T + merge.bias[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1], x[1, :, 2] @ merge.branch_weight(2).T + merge.bias[2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merge(x), merge(x, torch.full((3,), 1 / 3)), atol=1e-6, rtol=1e-6)
+
+
+def test_branched_attention_equals_average_of_independent_attentions():
+    """The MAT seam: B branches in one fused call = the average of B separate single-branch attentions."""
+    branched = tiny_model(seed=3, decoder_attention_branches=2, encoder_attention_branches=2)
+    source, target = batch()
+    singles = []
+    for branch in range(2):
+        single = tiny_model(seed=4)
+        state = single.state_dict()
+        for name, value in branched.state_dict().items():
+            if any(p in name for p in ("q_proj", "k_proj", "v_proj")):
+                d = value.shape[0] // 2
+                state[name] = value[branch * d : (branch + 1) * d].clone()
+            elif "out_proj.weight" in name:
+                d = value.shape[1] // 2
+                state[name] = value[:, branch * d : (branch + 1) * d].clone()
+            elif "out_proj.bias" in name:
+                state[name] = value[branch : branch + 1].clone()
+            else:
+                state[name] = value.clone()
+        single.load_state_dict(state)
+        singles.append(single)
+    attention = branched.model.encoder.layers[0].self_attn
+    x = torch.randn(3, 7, 32)
+    expected = sum(s.model.encoder.layers[0].self_attn(x)[0] for s in singles) / 2
+    torch.testing.assert_close(attention(x)[0], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_relative_position_bias_seam_changes_the_logits():
+    model = tiny_model()
+    source, target = batch()
+    attention = model.model.decoder.layers[0].self_attn
+    with torch.no_grad():
+        plain = model(input_ids=source, decoder_input_ids=target).logits
+        attention.relative_position_bias = lambda query, rows=None, **kw: torch.zeros(
+            query.shape[0], query.shape[1], query.shape[2], query.shape[2]
+        )
+        zero_bias = model(input_ids=source, decoder_input_ids=target).logits
+        attention.relative_position_bias = lambda query, rows=None, **kw: torch.randn(
+            query.shape[0], query.shape[1], query.shape[2], query.shape[2]
+        )
+        random_bias = model(input_ids=source, decoder_input_ids=target).logits
+    torch.testing.assert_close(zero_bias, plain, atol=1e-5, rtol=0)
+    assert not torch.allclose(random_bias, plain, atol=1e-3)
+
+
+def test_decoder_without_absolute_positions_is_order_blind_for_a_bag():
+    """InDIGO's seam: with no positions and no relative bias, self-attention cannot see where tokens are."""
+    model = tiny_model(decoder_use_positions=False, encoder_use_positions=False)
+    assert model.model.decoder.embed_positions is None
+    source = torch.tensor([[7, 8, 9, 10]])
+    with torch.no_grad():
+        a = model.model.encoder(input_ids=source).last_hidden_state
+        b = model.model.encoder(input_ids=source.flip(1)).last_hidden_state
+    torch.testing.assert_close(a.flip(1), b, atol=1e-5, rtol=0)
+
+
+ORDERS = [("self_attn", "encoder_attn", "ffn"), ("ffn", "self_attn", "encoder_attn"), ("encoder_attn", "ffn", "self_attn")]
+
+
+def test_sublayer_order_is_data_and_changes_the_function():
+    model = tiny_model()
+    source, target = batch()
+    with torch.no_grad():
+        default = model(input_ids=source, decoder_input_ids=target).logits
+        explicit = model(input_ids=source, decoder_input_ids=target, decoder_sublayer_order=ORDERS[0]).logits
+        other = model(input_ids=source, decoder_input_ids=target, decoder_sublayer_order=ORDERS[1]).logits
+    assert torch.equal(default, explicit)
+    assert not torch.allclose(default, other, atol=1e-3)
+    with pytest.raises(ValueError, match="permutation"):
+        model(input_ids=source, decoder_input_ids=target, decoder_sublayer_order=("ffn", "ffn", "self_attn"))
+
+
+def test_per_row_orders_equal_each_row_alone_full_and_incremental():
+    model = tiny_model()
+    source, target = batch()
+    per_row = PerRowSublayerOrder(torch.tensor([1, 0, 2]), ORDERS)
+    encoder_per_row = PerRowSublayerOrder(torch.tensor([1, 1, 0]), [("self_attn", "ffn"), ("ffn", "self_attn")])
+    with torch.no_grad():
+        together = model(
+            input_ids=source, decoder_input_ids=target, decoder_sublayer_order=per_row,
+            encoder_sublayer_order=encoder_per_row,
+        ).logits
+        for row in range(3):
+            alone = model(
+                input_ids=source[row : row + 1],
+                decoder_input_ids=target[row : row + 1],
+                decoder_sublayer_order=ORDERS[int(per_row.order_index[row])],
+                encoder_sublayer_order=encoder_per_row.orders[int(encoder_per_row.order_index[row])],
+            ).logits
+            torch.testing.assert_close(together[row : row + 1], alone, atol=1e-5, rtol=0)
+        incremental = incremental_logits(model, source, target, decoder_sublayer_order=per_row)
+        full = model(input_ids=source, decoder_input_ids=target, decoder_sublayer_order=per_row).logits
+    torch.testing.assert_close(incremental, full, atol=1e-5, rtol=0)
+
+
+def test_step_kv_collector_refuses_a_partial_write():
+    model = tiny_model()
+    source, target = batch()
+    out = model(input_ids=source, decoder_input_ids=target[:, :1], use_cache=True)
+    collector = StepKVCollector(out.past_key_values.self_attention_cache, 0, 3)
+    keys = torch.zeros(1, 4, 1, 8)
+    collector.add(torch.tensor([0]), keys, keys)
+    with pytest.raises(RuntimeError, match="every row"):
+        collector.flush()
+
+
+def test_row_subset_attention_with_collector_equals_full_batch_step():
+    """The Depth-Adaptive / IOT primitive: attending for two row subsets with deferred cache writes gives the
+    same outputs and the same cache as one full-batch step."""
+    model = tiny_model()
+    source, target = batch()
+    with torch.no_grad():
+        first = model(input_ids=source, decoder_input_ids=target[:, :1], use_cache=True)
+        cache = first.past_key_values
+        reference_cache = type(cache)(type(cache.self_attention_cache)(), type(cache.cross_attention_cache)())
+        for idx, layer in enumerate(cache.self_attention_cache.layers):
+            reference_cache.self_attention_cache.update(layer.keys.clone(), layer.values.clone(), idx)
+        attention = model.model.decoder.layers[0].self_attn
+        x = torch.randn(3, 1, 32)
+        expected, _ = attention(x, past_key_values=reference_cache)
+        collector = StepKVCollector(cache.self_attention_cache, 0, 3)
+        rows_a, rows_b = torch.tensor([2, 0]), torch.tensor([1])
+        out_a, _ = attention(x[rows_a], past_key_values=cache, rows=rows_a, kv_collector=collector)
+        out_b, _ = attention(x[rows_b], past_key_values=cache, rows=rows_b, kv_collector=collector)
+        collector.flush()
+    torch.testing.assert_close(out_a, expected[rows_a], atol=1e-6, rtol=0)
+    torch.testing.assert_close(out_b, expected[rows_b], atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        cache.self_attention_cache.layers[0].keys, reference_cache.self_attention_cache.layers[0].keys
+    )
+
+
+def test_decoder_pieces_compose_to_forward():
+    """`embed` → `run_layer`… → `finalize` is the decoder's forward (the Depth-Adaptive seam)."""
+    model = tiny_model(decoder_normalize_before=True)
+    source, target = batch()
+    with torch.no_grad():
+        encoder_out = model.model.encoder(input_ids=source).last_hidden_state
+        decoder = model.model.decoder
+        hidden = decoder.embed(target)
+        from modeling.modeling_flexformer import padding_mask
+
+        cross_mask = padding_mask(source.ne(PAD).long(), hidden.dtype)
+        for idx in range(len(decoder.layers)):
+            hidden, _, _ = decoder.run_layer(
+                idx, hidden, encoder_hidden_states=encoder_out, encoder_attention_mask=cross_mask
+            )
+        manual = model.lm_head(decoder.finalize(hidden))
+        reference = model(input_ids=source, decoder_input_ids=target).logits
+    torch.testing.assert_close(manual, reference, atol=1e-6, rtol=0)
+
+
+def test_layerdrop_only_while_training():
+    model = tiny_model(decoder_layerdrop=0.5, encoder_layerdrop=0.5)
+    source, target = batch()
+    with torch.no_grad():
+        a = model(input_ids=source, decoder_input_ids=target).logits
+        b = model(input_ids=source, decoder_input_ids=target).logits
+    assert torch.equal(a, b)
+    model.train()
+    torch.manual_seed(0)
+    outputs = {model(input_ids=source, decoder_input_ids=target).logits.sum().item() for _ in range(8)}
+    assert len(outputs) > 1
