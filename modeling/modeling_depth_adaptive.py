@@ -1,0 +1,1131 @@
+"""The Depth-Adaptive Transformer (Elbayad, Gu, Grave & Auli, "Depth-Adaptive Transformer", ICLR 2020).
+
+An output classifier C_n after every decoder block (Eq. 3) lets the decoder emit a token after any block n ∈ 1..N.
+Training optimises all exits on aligned states (Eq. 4) or on sampled exit sequences with copied states (Eq. 5),
+optionally with a halting mechanism supervised by an oracle (Eq. 6–17). Decoding (Appendix B, Algorithm 2) exits
+each token at the block a halting mechanism or a confidence threshold chooses; the blocks above get the *copied*
+state and their own key/value projections of it, so later tokens attend to a consistent cache.
+
+No public implementation of the paper exists; this one follows the paper, and says so where it has to fill a gap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
+from transformers.utils import ModelOutput
+
+from configuration.configuration_depth_adaptive import (
+    EXIT_STRATEGIES,
+    DepthAdaptiveConfig,
+    validate_exit_thresholds,
+)
+
+from .modeling_flexformer import (
+    BackboneComponents,
+    FlexformerDecoder,
+    FlexformerForConditionalGeneration,
+    FlexformerModel,
+    StepKVCollector,
+    label_smoothed_nll_loss,
+    padding_mask,
+)
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Equation-level functions (each cites the paper: Elbayad et al., "Depth-Adaptive Transformer", ICLR 2020).
+# Exits are 1-based like the paper (n ∈ 1..N); per-exit tensors put the exit on the last dimension.
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def exit_loss_weights(weighting: str, num_exits: int) -> torch.Tensor:
+    """ω_n / Σ_n' ω_n' of Eq. 4 for the weighting schemes of Appendix A (Table 2): ``"uniform"`` (ω_n = 1), ``"n"``,
+    ``"sqrt_n"`` (√n), ``"inv_sqrt_n"`` (1/√n), ``"inv_n"`` (1/n). Returns a float64 tensor ``[N]`` summing to 1."""
+    if num_exits < 1:
+        raise ValueError(f"num_exits must be >= 1, got {num_exits}")
+    n = torch.arange(1, num_exits + 1, dtype=torch.float64)
+    schemes = {
+        "uniform": torch.ones_like(n),
+        "n": n,
+        "sqrt_n": n.sqrt(),
+        "inv_sqrt_n": n.rsqrt(),
+        "inv_n": n.reciprocal(),
+    }
+    if weighting not in schemes:
+        raise ValueError(f"exit_loss_weighting must be one of {tuple(schemes)}, got {weighting!r}")
+    weights = schemes[weighting]
+    return weights / weights.sum()
+
+
+def aligned_decoding_loss(per_exit_losses: torch.Tensor, normalized_weights: torch.Tensor) -> torch.Tensor:
+    """Eq. 4: L_dec = −(1/Σω) Σ_n ω_n LL^n, given ``per_exit_losses[n-1] = −LL^n`` (already summed over tokens, and
+    label-smoothed when the config asks for it) and the normalised weights of :func:`exit_loss_weights`."""
+    if per_exit_losses.shape != normalized_weights.shape:
+        raise ValueError(
+            f"per_exit_losses {tuple(per_exit_losses.shape)} and weights {tuple(normalized_weights.shape)} differ"
+        )
+    return (normalized_weights.to(per_exit_losses.dtype) * per_exit_losses).sum()
+
+
+def scale_gradient(x: torch.Tensor, gamma: float) -> torch.Tensor:
+    """SCALE_GRADIENT of Appendix A, Algorithm 1 (lines 7–8): ``γ·x + (1 − γ)·stop_gradient(x)`` — the identity in
+    the forward pass, a factor γ on the gradient in the backward pass."""
+    if gamma == 1.0:
+        return x
+    return gamma * x + (1.0 - gamma) * x.detach()
+
+
+def gradient_scaling_factors(gamma: float, num_exits: int) -> list[float]:
+    """γ_n = γ·(N − n) of Appendix A (the ratio γ : 1 of block n's own supervision to the N − n blocks above it).
+
+    The formula gives γ_N = 0 for the top block, which has no block above to balance against and would lose its own
+    gradient (and make line 5's 1/γ_N infinite); we use γ_N = 1 (no scaling) there — a deviation the paper's text
+    implies but does not state."""
+    if not (gamma > 0 and math.isfinite(gamma)):
+        raise ValueError(f"gradient_scaling gamma must be a positive number, got {gamma!r}")
+    return [gamma * (num_exits - n) for n in range(1, num_exits)] + [1.0]
+
+
+def mean_encoder_output(
+    encoder_hidden_states: torch.Tensor, encoder_attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """s̄ = (1/|x|) Σ_t s_t of Eq. 8, averaging only the non-padding source positions. ``[b, S, d] → [b, d]``."""
+    if encoder_attention_mask is None:
+        return encoder_hidden_states.mean(dim=1)
+    mask = encoder_attention_mask.to(encoder_hidden_states.dtype).unsqueeze(-1)
+    return (encoder_hidden_states * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
+
+
+def sequence_halting_log_probs(mean_encoder_states: torch.Tensor, halting_projection: nn.Linear) -> torch.Tensor:
+    """Eq. 8: log q(n|x) = log softmax(W_h s̄ + b_h) ∈ R^N (sequence-specific depth), computed in float32."""
+    return torch.log_softmax(halting_projection(mean_encoder_states).float(), dim=-1)
+
+
+def token_multinomial_log_probs(first_block_states: torch.Tensor, halting_projection: nn.Linear) -> torch.Tensor:
+    """Eq. 11: log q_t(n|x, y_<t) = log softmax(W_h h¹_t + b_h) (token-specific multinomial), in float32."""
+    return torch.log_softmax(halting_projection(first_block_states).float(), dim=-1)
+
+
+def geometric_halting_logits(block_state: torch.Tensor, halting_weight: nn.Linear, block_bias: torch.Tensor):
+    """The logit of Eq. 12, z^n_t = w_hᵀ h^n_t + b_n, so that χ^n_t = sigmoid(z^n_t): one vector w_h shared by all
+    blocks (``halting_weight``, no bias) and one bias b_n per block below the last. ``[..., d] → [...]`` float32."""
+    return (halting_weight(block_state).squeeze(-1) + block_bias).float()
+
+
+def geometric_exit_log_probs(halting_logits: torch.Tensor) -> torch.Tensor:
+    """Eq. 13, the geometric-like exit distribution, from the N−1 halting logits z^n (χ^n = sigmoid(z^n), Eq. 12):
+    q(n) = χ^n Π_{n'<n} (1 − χ^{n'}) for n < N and q(N) = Π_{n'<N} (1 − χ^{n'}). Computed in log space
+    (log χ = logsigmoid(z), log(1 − χ) = logsigmoid(−z)). ``[..., N−1] → [..., N]`` float32."""
+    halting_logits = halting_logits.float()
+    log_continue = torch.nn.functional.logsigmoid(-halting_logits)
+    continued_before = torch.cumsum(log_continue, dim=-1) - log_continue  # Σ_{n'<n} log(1 − χ^{n'})
+    log_exit_below_top = torch.nn.functional.logsigmoid(halting_logits) + continued_before
+    log_exit_top = log_continue.sum(dim=-1, keepdim=True)
+    return torch.cat([log_exit_below_top, log_exit_top], dim=-1)
+
+
+def _argmax_with_depth_penalty(scores: torch.Tensor, lam: float) -> torch.Tensor:
+    """δ(argmax_n score_n − λn) as a 1-based exit; ties go to the lowest block (``torch.argmax`` keeps the first)."""
+    depth = torch.arange(1, scores.shape[-1] + 1, device=scores.device, dtype=scores.dtype)
+    return torch.argmax(scores - lam * depth, dim=-1) + 1
+
+
+def sequence_likelihood_oracle(
+    token_log_likelihoods: torch.Tensor, target_mask: torch.Tensor, lam: float = 0.0
+) -> torch.Tensor:
+    """Eq. 9: q*(x, y) = δ(argmax_n LL^n − λn) with LL^n = Σ_t log p(y_t|h^n_{t−1}).
+    ``token_log_likelihoods`` is ``[b, T, N]`` (LL^n_t), ``target_mask`` ``[b, T]``; returns exits ``[b]`` in 1..N."""
+    mask = target_mask.to(token_log_likelihoods.dtype).unsqueeze(-1)
+    sequence_ll = (token_log_likelihoods * mask).sum(dim=1)
+    return _argmax_with_depth_penalty(sequence_ll, lam)
+
+
+def sequence_correctness_oracle(token_correct: torch.Tensor, target_mask: torch.Tensor, lam: float = 0.0) -> torch.Tensor:
+    """Eq. 10: C^n = #{t | y_t = argmax_y p(y|h^n_{t−1})}, q*(x, y) = δ(argmax_n C^n − λn).
+    ``token_correct`` is ``[b, T, N]`` (bool); returns exits ``[b]`` in 1..N."""
+    counts = (token_correct & target_mask.bool().unsqueeze(-1)).sum(dim=1).to(torch.float64)
+    return _argmax_with_depth_penalty(counts, lam)
+
+
+def rbf_kernel(length: int, sigma: float, device=None, dtype=torch.float32) -> torch.Tensor:
+    """κ(t, t') = exp(−|t − t'|² / σ²) of Eq. 15 as a ``[T, T]`` matrix; σ = 0 is the limit σ → 0 (the identity:
+    only the current token counts)."""
+    if sigma < 0:
+        raise ValueError(f"oracle_sigma must be >= 0, got {sigma!r}")
+    positions = torch.arange(length, device=device, dtype=torch.float64)
+    if sigma == 0:
+        return torch.eye(length, device=device, dtype=dtype)
+    distance = positions[:, None] - positions[None, :]
+    return torch.exp(-(distance**2) / (sigma**2)).to(dtype)
+
+
+def smooth_over_time(per_token_scores: torch.Tensor, target_mask: torch.Tensor, sigma: float) -> torch.Tensor:
+    """Σ_{t'=1}^{|y|} κ(t, t') v_{t'} of Eq. 15/16 for ``[b, T, N]`` scores; padding positions t' are left out."""
+    kernel = rbf_kernel(per_token_scores.shape[1], sigma, per_token_scores.device, per_token_scores.dtype)
+    masked = per_token_scores * target_mask.to(per_token_scores.dtype).unsqueeze(-1)
+    return torch.einsum("ts,bsn->btn", kernel, masked)
+
+
+def token_likelihood_oracle(
+    token_log_likelihoods: torch.Tensor, target_mask: torch.Tensor, sigma: float = 0.0, lam: float = 0.0
+) -> torch.Tensor:
+    """Eq. 14/15, LL(σ, λ): q*_t = δ(argmax_n LL̃^n_t − λn) with LL̃^n_t = Σ_t' κ(t, t') LL^n_t' (σ = 0: Eq. 14).
+    ``[b, T, N] → [b, T]`` exits in 1..N (values at padding positions are meaningless)."""
+    smoothed = smooth_over_time(token_log_likelihoods.double(), target_mask, sigma)
+    return _argmax_with_depth_penalty(smoothed, lam)
+
+
+def token_correctness_oracle(
+    token_correct: torch.Tensor, target_mask: torch.Tensor, sigma: float = 0.0, lam: float = 0.0
+) -> torch.Tensor:
+    """Eq. 16/17: C^n_t = [y_t = argmax_y p(y|h^n_{t−1})], C̃^n_t = Σ_t' κ(t, t') C^n_t',
+    q*_t = δ(argmax_n C̃^n_t − λn). ``[b, T, N] → [b, T]`` exits in 1..N."""
+    smoothed = smooth_over_time(token_correct.double(), target_mask, sigma)
+    return _argmax_with_depth_penalty(smoothed, lam)
+
+
+def exit_loss(exit_log_probs: torch.Tensor, oracle_exits: torch.Tensor, mask: torch.Tensor | None = None):
+    """Eq. 6: L_exit = Σ_t H(q*_t, q_t) = −Σ_t log q_t(n*_t) for the Dirac oracles of Eq. 9–17.
+    ``exit_log_probs`` ``[..., N]``, ``oracle_exits`` ``[...]`` (1-based), ``mask`` ``[...]`` (positions to count)."""
+    chosen = exit_log_probs.gather(-1, (oracle_exits.long() - 1).unsqueeze(-1)).squeeze(-1)
+    if mask is not None:
+        chosen = chosen * mask.to(chosen.dtype)
+    return -chosen.sum()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# FLOPs per output token (Appendix B)
+# ----------------------------------------------------------------------------------------------------------------------
+
+FLOPS_MECHANISMS = ("full", "fixed", "sequence", "token_multinomial", "token_geometric", "confidence")
+
+
+@dataclass(frozen=True)
+class DecoderFlopsShape:
+    """The quantities of Appendix B, Table 4: d_d, d_e, d_f, V and the number of blocks N."""
+
+    decoder_embed_dim: int
+    encoder_embed_dim: int
+    ffn_dim: int
+    vocab_size: int
+    num_blocks: int
+
+    @classmethod
+    def from_config(cls, config) -> "DecoderFlopsShape":
+        return cls(
+            decoder_embed_dim=config.decoder_embed_dim,
+            encoder_embed_dim=config.encoder_embed_dim,
+            ffn_dim=config.decoder_ffn_embed_dim,
+            vocab_size=config.decoder_vocab_size,
+            num_blocks=config.decoder_layers,
+        )
+
+
+def block_flops(shape: DecoderFlopsShape, source_length: int, t: int, first_call: bool) -> int:
+    """FC(x, t) = 12 d_d² + 4 d_f d_d + 4 t d_d + 4|x| d_d + 4 [FirstCall] |x| d_d d_e (Appendix B): a block the
+    token goes through at time-step t ≥ 1; the source keys/values are projected on the block's first call."""
+    d, e = shape.decoder_embed_dim, shape.encoder_embed_dim
+    flops = 12 * d * d + 4 * shape.ffn_dim * d + 4 * t * d + 4 * source_length * d
+    if first_call:
+        flops += 4 * source_length * d * e
+    return flops
+
+
+def skipped_block_flops(shape: DecoderFlopsShape) -> int:
+    """FS = 4 d_d² (Appendix B): a skipped block still projects the copied state to its self-attention keys/values."""
+    return 4 * shape.decoder_embed_dim**2
+
+
+def exit_prediction_flops(shape: DecoderFlopsShape, mechanism: str, t: int, exit_block: int) -> int:
+    """FP(t, q(t)) of Appendix B: ``sequence`` 2[t = 1] N d_d, ``token_multinomial`` 2 N d_d, ``token_geometric``
+    2 d_d q(t), ``confidence`` 2 q(t) V d_d; ``full``/``fixed`` exits need no prediction (0)."""
+    d, n_blocks = shape.decoder_embed_dim, shape.num_blocks
+    if mechanism in ("full", "fixed"):
+        return 0
+    if mechanism == "sequence":
+        return 2 * n_blocks * d if t == 1 else 0
+    if mechanism == "token_multinomial":
+        return 2 * n_blocks * d
+    if mechanism == "token_geometric":
+        return 2 * d * exit_block
+    if mechanism == "confidence":
+        return 2 * exit_block * shape.vocab_size * d
+    raise ValueError(f"FLOPs mechanism must be one of {FLOPS_MECHANISMS}, got {mechanism!r}")
+
+
+def sequence_flops(shape: DecoderFlopsShape, exits: Sequence[int], source_length: int, mechanism: str) -> int:
+    """Σ_t [q(t) FC(x, t) + (N − q(t)) FS + FP(t, q(t)) + 2 V d_d] for one hypothesis with per-token exits q(t)
+    (Appendix B, "Adaptive depth"; with q(t) = N and FP = 0 it is the "Baseline" formula). Confidence thresholding
+    already pays for its output projections in FP, so the final 2 V d_d is not added there."""
+    n_blocks = shape.num_blocks
+    called = [False] * (n_blocks + 1)
+    total = 0
+    for t, exit_block in enumerate(exits, start=1):
+        exit_block = int(exit_block)
+        if not 1 <= exit_block <= n_blocks:
+            raise ValueError(f"exit {exit_block} at time-step {t} is outside 1..{n_blocks}")
+        for block in range(1, exit_block + 1):
+            total += block_flops(shape, source_length, t, first_call=not called[block])
+            called[block] = True
+        total += (n_blocks - exit_block) * skipped_block_flops(shape)
+        total += exit_prediction_flops(shape, mechanism, t, exit_block)
+        if mechanism != "confidence":
+            total += 2 * shape.vocab_size * shape.decoder_embed_dim
+    return total
+
+
+def average_flops_per_token(
+    shape: DecoderFlopsShape, exits_per_sentence: Sequence[Sequence[int]], source_lengths: Sequence[int], mechanism: str
+) -> float:
+    """(1 / Σ_i |y^(i)|) Σ_i Σ_t (…) of Appendix B over a set of hypotheses with their per-token exits."""
+    if len(exits_per_sentence) != len(source_lengths):
+        raise ValueError(f"{len(exits_per_sentence)} exit sequences but {len(source_lengths)} source lengths")
+    tokens = sum(len(exits) for exits in exits_per_sentence)
+    if tokens == 0:
+        raise ValueError("average_flops_per_token needs at least one generated token")
+    total = sum(
+        sequence_flops(shape, exits, source_length, mechanism)
+        for exits, source_length in zip(exits_per_sentence, source_lengths)
+    )
+    return total / tokens
+
+
+def average_exit(exits_per_sentence: Sequence[Sequence[int]]) -> float:
+    """AE, the average exit per output token (Sec. 4.3)."""
+    tokens = [int(e) for exits in exits_per_sentence for e in exits]
+    if not tokens:
+        raise ValueError("average_exit needs at least one generated token")
+    return sum(tokens) / len(tokens)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Halting mechanisms (Sec. 3)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class SequenceHalting(nn.Module):
+    """Sequence-specific depth (Sec. 3.1, Eq. 8): a multinomial over the N exits from the mean encoder output,
+    ``W_h ∈ R^{N×d_enc}`` and ``b_h`` (one linear layer, Sec. 4.1)."""
+
+    def __init__(self, config: DepthAdaptiveConfig):
+        super().__init__()
+        self.projection = nn.Linear(config.encoder_embed_dim, config.decoder_layers)
+
+    def forward(self, encoder_hidden_states: torch.Tensor, encoder_attention_mask: torch.Tensor | None = None):
+        """log q(n|x), ``[b, N]``."""
+        return sequence_halting_log_probs(
+            mean_encoder_output(encoder_hidden_states, encoder_attention_mask), self.projection
+        )
+
+
+class TokenMultinomialHalting(nn.Module):
+    """Token-specific multinomial (Sec. 3.2, Eq. 11) on the first block's state h¹_t: ``W_h ∈ R^{N×d}``, ``b_h``."""
+
+    def __init__(self, config: DepthAdaptiveConfig):
+        super().__init__()
+        self.projection = nn.Linear(config.decoder_embed_dim, config.decoder_layers)
+
+    def forward(self, first_block_states: torch.Tensor) -> torch.Tensor:
+        """log q_t(n|x, y_<t), ``[..., N]``."""
+        return token_multinomial_log_probs(first_block_states, self.projection)
+
+
+class GeometricHalting(nn.Module):
+    """Token-specific geometric-like halting (Sec. 3.2, Eq. 12–13): χ^n_t = sigmoid(w_hᵀ h^n_t + b_n) after every
+    block n < N, with one weight vector ``w_h ∈ R^d`` shared by the blocks and one bias b_n per block."""
+
+    def __init__(self, config: DepthAdaptiveConfig):
+        super().__init__()
+        self.weight = nn.Linear(config.decoder_embed_dim, 1, bias=False)
+        self.bias = nn.Parameter(torch.zeros(config.decoder_layers - 1))
+
+    def halting_logits(self, block: int, states: torch.Tensor) -> torch.Tensor:
+        """z^n_t (χ^n_t = sigmoid(z^n_t)) after block ``block`` ∈ 1..N−1, ``[..., d] → [...]``."""
+        return geometric_halting_logits(states, self.weight, self.bias[block - 1])
+
+    def forward(self, block_states: Sequence[torch.Tensor]) -> torch.Tensor:
+        """log q_t(n) of Eq. 13 from the states h¹ … h^{N−1} (each ``[..., d]``), ``[..., N]``."""
+        logits = torch.stack([self.halting_logits(n, states) for n, states in enumerate(block_states, start=1)], -1)
+        return geometric_exit_log_probs(logits)
+
+
+HALTING_CLASSES = {
+    "sequence": SequenceHalting,
+    "token_multinomial": TokenMultinomialHalting,
+    "token_geometric": GeometricHalting,
+}
+
+
+def _probability_logit(threshold: float) -> float:
+    """log(τ / (1 − τ)) with the limits ±inf: χ > τ ⟺ z > logit(τ), so the decision skips the sigmoid."""
+    if threshold <= 0.0:
+        return -math.inf
+    if threshold >= 1.0:
+        return math.inf
+    return math.log(threshold) - math.log1p(-threshold)
+
+
+@dataclass(frozen=True)
+class ExitSettings:
+    """How a forward/generate call chooses exits (see :class:`DepthAdaptiveConfig`, "Decoding")."""
+
+    strategy: str
+    fixed_exit: int | None
+    thresholds: tuple[float, ...]
+
+
+class ExitDecider:
+    """The exit decision after block n < N for the rows still computing (Sec. 3; Appendix B, Algorithm 2).
+
+    ``decide(block, states, rows)`` takes the block's output states ``[b', T', d]`` of the batch rows ``rows``
+    (``None`` = every row, in order) and returns ``(exit_mask [b', T'] | None, logits | None)``; ``None`` means no
+    state can exit here (no check needed). Confidence thresholding returns the classifier logits it computed so the
+    caller does not compute them again.
+    """
+
+    def __init__(
+        self,
+        settings: ExitSettings,
+        num_exits: int,
+        classify=None,
+        halting: nn.Module | None = None,
+        halting_mechanism: str = "none",
+        sequence_exits: torch.Tensor | None = None,
+    ):
+        self.strategy = settings.strategy
+        self.fixed_exit = settings.fixed_exit
+        self.num_exits = num_exits
+        self.classify = classify
+        self.halting = halting
+        self.halting_mechanism = halting_mechanism
+        self.log_thresholds = [math.log(t) if t > 0 else -math.inf for t in settings.thresholds]
+        self.logit_thresholds = [_probability_logit(t) for t in settings.thresholds]
+        self.planned_exits = sequence_exits  # [b] (sequence-specific) or set after block 1 (token multinomial)
+
+    def _rows(self, planned: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        return planned if rows is None else planned.index_select(0, rows)
+
+    def decide(self, block: int, states: torch.Tensor, rows: torch.Tensor | None):
+        if block >= self.num_exits or self.strategy == "full":
+            return None, None
+        if self.strategy == "fixed":
+            if block != self.fixed_exit:
+                return None, None
+            return torch.ones(states.shape[:2], dtype=torch.bool, device=states.device), None
+        if self.strategy == "confidence":
+            # max_y p(y|h^n_t) > τ_n  ⟺  max logit − logsumexp > log τ_n
+            logits = self.classify(block, states)
+            scores = logits.float()
+            confidence = scores.amax(-1) - torch.logsumexp(scores, dim=-1)
+            return confidence > self.log_thresholds[block - 1], logits
+        # the trained halting mechanism
+        if self.halting_mechanism == "token_geometric":
+            return self.halting.halting_logits(block, states) > self.logit_thresholds[block - 1], None
+        if self.halting_mechanism == "token_multinomial" and block == 1:
+            # Eq. 11: argmax_n q_t(n) is chosen after the first block (every row is still computing there).
+            self.planned_exits = torch.argmax(self.halting(states), dim=-1) + 1
+            return self.planned_exits == 1, None
+        if self.halting_mechanism == "token_multinomial":
+            return self._rows(self.planned_exits, rows) == block, None
+        if self.halting_mechanism == "sequence":
+            planned = self._rows(self.planned_exits, rows)
+            return (planned == block).unsqueeze(-1).expand(states.shape[:2]), None
+        raise ValueError(f"exit strategy 'halting' needs a halting mechanism, got {self.halting_mechanism!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Decoder with early exits
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class DepthAdaptiveDecoder(FlexformerDecoder):
+    """The backbone decoder (``forward`` is the plain full-depth decoder) plus the two early-exit loops built from
+    the backbone's ``embed`` / ``run_layer`` / ``finalize`` pieces:
+
+    - :meth:`forward_layerwise` — all positions in parallel, block after block: aligned training (every block's
+      states), mixed training / recomputation with a given exit sequence, and decisions made on the fly. A state that
+      has exited is *copied* to the blocks above (Sec. 2.2.2), whose self-attention keys/values are then their own
+      projections of the copied state (Sec. 2.2.1).
+    - :meth:`early_exit_step` — one incremental decoding step (Appendix B, Algorithm 2) where the blocks above a
+      row's exit run only for the rows still computing (``rows`` subsets of the batch) and a skipped block only
+      projects the copied state to its keys/values; each layer's cache gets one full-batch write per step.
+    """
+
+    def __init__(self, config, embed_tokens, components):
+        super().__init__(config, embed_tokens, components)
+        self._fused_key_value = None
+        self._fused_key_value_signature = None
+
+    def run_block(
+        self,
+        layer_idx: int,
+        hidden_states: torch.Tensor,
+        layer_kwargs: dict,
+        past_key_values=None,
+        rows: torch.Tensor | None = None,
+        kv_collector: StepKVCollector | None = None,
+    ) -> torch.Tensor:
+        """Block ``layer_idx`` for all rows, or for the batch rows ``rows`` with the new self-attention keys/values
+        deferred to ``kv_collector`` (the cache is written once per layer and step, by the collector)."""
+        if rows is None and kv_collector is None:
+            return self.run_layer(layer_idx, hidden_states, past_key_values=past_key_values, **layer_kwargs)[0]
+        layer = self.layers[layer_idx]
+        hidden_states, _ = layer.self_attention_sublayer(
+            hidden_states,
+            attention_mask=layer_kwargs.get("attention_mask"),
+            past_key_values=past_key_values,
+            rows=rows,
+            kv_collector=kv_collector,
+        )
+        hidden_states, _ = layer.cross_attention_sublayer(
+            hidden_states,
+            encoder_hidden_states=layer_kwargs["encoder_hidden_states"],
+            encoder_attention_mask=layer_kwargs.get("encoder_attention_mask"),
+            past_key_values=past_key_values,
+            rows=rows,
+        )
+        hidden_states, _ = layer.feed_forward_sublayer(hidden_states)
+        return hidden_states
+
+    def _fused_key_value_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All blocks' self-attention K/V projections as one ``[d, N·2D]`` matrix (and bias), rebuilt whenever a
+        weight changes, so the copied state's keys/values for every skipped block take a single matmul."""
+        projections = [(layer.self_attn.k_proj, layer.self_attn.v_proj) for layer in self.layers]
+        signature = tuple(
+            (tensor.data_ptr(), tensor._version, tensor.dtype)
+            for pair in projections
+            for projection in pair
+            for tensor in (projection.weight, projection.bias)
+        )
+        if signature != self._fused_key_value_signature:
+            with torch.no_grad():
+                weight = torch.cat([torch.cat([k.weight, v.weight], 0) for k, v in projections], 0).t().contiguous()
+                bias = torch.cat([torch.cat([k.bias, v.bias], 0) for k, v in projections], 0)
+            self._fused_key_value = (weight, bias)
+            self._fused_key_value_signature = signature
+        return self._fused_key_value
+
+    def copied_key_values(self, first_layer: int, states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Keys/values ``[b', heads, q, head_dim]`` of the copied ``states`` for blocks ``first_layer`` … N−1 (0-based):
+        each block's *own* projections of the copied state (Sec. 2.2.1; FS = 4 d_d² in Appendix B). Pre-norm blocks
+        normalise the state with their self-attention LayerNorm first, exactly as the block would."""
+        layers = self.layers[first_layer:]
+        if len(layers) == 0:
+            return []
+        attention = layers[0].self_attn
+        rows, length = states.shape[:2]
+        width = attention.total_heads * attention.head_dim
+        if not torch.is_grad_enabled() and not self.config.decoder_normalize_before:
+            weight, bias = self._fused_key_value_weights()
+            start = first_layer * 2 * width
+            projected = torch.addmm(bias[start:], states.reshape(rows * length, -1), weight[:, start:])
+            result = []
+            for offset, layer in enumerate(layers):
+                chunk = projected[:, offset * 2 * width : (offset + 1) * 2 * width]
+                heads, head_dim = layer.self_attn.total_heads, layer.self_attn.head_dim
+                keys = chunk[:, :width].reshape(rows, length, heads, head_dim).transpose(1, 2)
+                values = chunk[:, width:].reshape(rows, length, heads, head_dim).transpose(1, 2)
+                result.append((keys, values))
+            return result
+        result = []
+        for layer in layers:
+            inputs = layer.self_attn_layer_norm(states) if layer.normalize_before else states
+            result.append(layer.self_attn.project_key_value(inputs))
+        return result
+
+    def forward_layerwise(
+        self,
+        hidden_states: torch.Tensor,
+        layer_kwargs: dict,
+        past_key_values=None,
+        token_exits: torch.Tensor | None = None,
+        decider: ExitDecider | None = None,
+        keep_states: bool = False,
+        gradient_scales: Sequence[float] | None = None,
+    ):
+        """Run the N blocks over all positions. Returns ``(states, exit_states, exits)``:
+
+        - ``states``: every block's output h¹ … h^N (with copied states where a position has exited) when
+          ``keep_states``, else ``[]``;
+        - ``exit_states``: each position's state at its exit (the last computed state, copied upwards);
+        - ``exits``: ``[b, T]`` exits in 1..N — ``token_exits`` when given (Eq. 5's sampled exit sequence, or any
+          fixed sequence), else decided by ``decider`` after each block (N when it never fires).
+
+        ``gradient_scales`` (γ_1 … γ_N) applies line 5 of Algorithm 1 (Appendix A) between blocks; the caller scales
+        the classifier outputs (line 4).
+        """
+        num_layers = len(self.layers)
+        batch, length = hidden_states.shape[:2]
+        if token_exits is not None:
+            if token_exits.shape != (batch, length):
+                raise ValueError(f"token_exits must have shape {(batch, length)}, got {tuple(token_exits.shape)}")
+            if bool((token_exits < 1).any()) or bool((token_exits > num_layers).any()):
+                raise ValueError(f"token_exits must be exits in 1..{num_layers}")
+            exits = token_exits.long()
+        else:
+            exits = torch.full((batch, length), num_layers, dtype=torch.long, device=hidden_states.device)
+        done = None if decider is None or token_exits is not None else torch.zeros_like(exits, dtype=torch.bool)
+        states = []
+        for idx in range(num_layers):
+            block = idx + 1
+            output = self.run_block(idx, hidden_states, layer_kwargs, past_key_values)
+            if token_exits is not None:
+                output = torch.where((exits >= block).unsqueeze(-1), output, hidden_states)
+            elif done is not None and block > 1:
+                output = torch.where(done.unsqueeze(-1), hidden_states, output)
+            if keep_states:
+                states.append(output)
+            if done is not None and block < num_layers:
+                exit_mask, _ = decider.decide(block, output, None)
+                if exit_mask is not None:
+                    newly = exit_mask & ~done
+                    exits = exits.masked_fill(newly, block)
+                    done = done | newly
+            hidden_states = output
+            if gradient_scales is not None and block < num_layers:
+                hidden_states = scale_gradient(output, 1.0 / gradient_scales[idx + 1])
+        return states, hidden_states, exits
+
+    def early_exit_step(self, hidden_states: torch.Tensor, layer_kwargs: dict, past_key_values, decider, classify):
+        """One incremental decoding step with early exits (Appendix B, Algorithm 2) for a batch of single tokens
+        ``[b, 1, d]`` (embedded). Returns ``(logits [b, 1, V], exits [b])``.
+
+        After each block n < N the decider picks the rows that exit; only the remaining rows run the blocks above
+        (row subsets of the batch against their own cache rows). An exited row's state is copied upwards: each block
+        above receives its own key/value projections of it (one fused matmul per exit event), collected together
+        with the computing rows' keys/values and written to the cache once per layer for the whole batch.
+        """
+        num_layers = len(self.layers)
+        batch = hidden_states.shape[0]
+        self_cache = past_key_values.self_attention_cache
+        exits = torch.full((batch,), num_layers, dtype=torch.long, device=hidden_states.device)
+        active_rows = None  # None: every row, in batch order
+        pending: list[list] = [[] for _ in range(num_layers)]  # per layer: (rows, keys, values) of copied states
+        finished: list[tuple] = []  # (rows, logits) of the rows that have exited
+        all_exited = False
+        for idx in range(num_layers):
+            block = idx + 1
+            if all_exited:
+                collector = StepKVCollector(self_cache, idx, batch)
+                for rows, keys, values in pending[idx]:
+                    collector.add(rows, keys, values)
+                collector.flush()
+                continue
+            if not pending[idx]:
+                hidden_states = self.run_block(idx, hidden_states, layer_kwargs, past_key_values)
+            else:
+                collector = StepKVCollector(self_cache, idx, batch)
+                hidden_states = self.run_block(
+                    idx, hidden_states, layer_kwargs, past_key_values, rows=active_rows, kv_collector=collector
+                )
+                for rows, keys, values in pending[idx]:
+                    collector.add(rows, keys, values)
+                collector.flush()
+            if block == num_layers:
+                break
+            exit_mask, exit_logits = decider.decide(block, hidden_states, active_rows)
+            if exit_mask is None:
+                continue
+            exit_mask = exit_mask[:, 0]
+            leaving = int(exit_mask.sum())
+            if leaving == 0:
+                continue
+            if leaving == hidden_states.shape[0]:
+                leaving_rows, leaving_states, leaving_logits = active_rows, hidden_states, exit_logits
+                all_exited = True
+            else:
+                rows_now = active_rows if active_rows is not None else torch.arange(batch, device=exits.device)
+                leaving_rows = rows_now[exit_mask]
+                leaving_states = hidden_states[exit_mask]
+                leaving_logits = exit_logits[exit_mask] if exit_logits is not None else None
+                active_rows, hidden_states = rows_now[~exit_mask], hidden_states[~exit_mask]
+            if leaving_rows is None:
+                exits.fill_(block)
+            else:
+                exits.index_fill_(0, leaving_rows, block)
+            finished.append((leaving_rows, leaving_logits if leaving_logits is not None else classify(block, leaving_states)))
+            for offset, (keys, values) in enumerate(self.copied_key_values(idx + 1, leaving_states)):
+                pending[idx + 1 + offset].append((leaving_rows, keys, values))
+        if not all_exited:
+            finished.append((active_rows, classify(num_layers, hidden_states)))
+        if len(finished) == 1 and finished[0][0] is None:
+            return finished[0][1], exits
+        vocab = finished[0][1].shape[-1]
+        logits = finished[0][1].new_empty(batch, 1, vocab)
+        for rows, group_logits in finished:
+            logits.index_copy_(0, rows, group_logits)
+        return logits, exits
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------------------------------
+
+DEPTH_ADAPTIVE_COMPONENTS = BackboneComponents(decoder=DepthAdaptiveDecoder)
+
+
+@dataclass
+class DepthAdaptiveSeq2SeqLMOutput(Seq2SeqLMOutput):
+    """``Seq2SeqLMOutput`` plus the Depth-Adaptive signals.
+
+    exits (`[b, T]`): the exit (1..N) of every decoder position (the top block N in aligned training).
+    decoding_loss: L_dec (Eq. 4 or Eq. 5); exit_loss: L_exit (Eq. 6, same normalisation as L_dec); `loss` is
+        Eq. 7, L_dec + α·L_exit.
+    per_exit_losses (`[N]`, detached): each classifier's label-smoothed loss in aligned mode.
+    exit_logits (tuple of N `[b, T, V]`): every classifier's logits (aligned mode, with `return_exit_logits=True`).
+    oracle_exits (`[b]` or `[b, T]`) and exit_log_probs (`[b, N]` or `[b, T, N]`): the oracle q* and the halting
+        distribution log q of the exit loss.
+    """
+
+    exits: torch.LongTensor | None = None
+    decoding_loss: torch.FloatTensor | None = None
+    exit_loss: torch.FloatTensor | None = None
+    per_exit_losses: torch.FloatTensor | None = None
+    exit_logits: tuple[torch.FloatTensor, ...] | None = None
+    oracle_exits: torch.LongTensor | None = None
+    exit_log_probs: torch.FloatTensor | None = None
+
+
+@dataclass
+class DepthAdaptiveGenerateOutput(ModelOutput):
+    """``generate(..., return_exits=True)`` without ``return_dict_in_generate``: the sequences and, for each
+    generated token (``sequences[:, 1:]``), its exit in 1..N (0 after the end of the hypothesis)."""
+
+    sequences: torch.LongTensor | None = None
+    exits: torch.LongTensor | None = None
+
+
+class DepthAdaptiveModel(FlexformerModel):
+    """The Depth-Adaptive encoder-decoder without output classifiers (``AutoModel``); its decoder is a
+    :class:`DepthAdaptiveDecoder`, whose plain ``forward`` runs all N blocks."""
+
+    config_class = DepthAdaptiveConfig
+    components = DEPTH_ADAPTIVE_COMPONENTS
+
+
+class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
+    """Depth-Adaptive Transformer (model type ``depth_adaptive``).
+
+    - Classifiers (Eq. 3): C_N is ``lm_head``; C_1 … C_{N−1} are ``exit_classifiers`` (independent) or ``lm_head``
+      itself (``exit_classifiers="shared"``). Every classifier reads the block's state through the decoder's
+      ``finalize`` (the final LayerNorm of a pre-norm stack; identity for post-norm, the paper's setting).
+    - ``forward`` with ``labels``: aligned (Eq. 4, weights ω_n, gradient scaling of Appendix A) or mixed (Eq. 5)
+      training loss, plus α·L_exit (Eq. 6/7) when ``exit_loss_alpha > 0``. In eval mode the loss is always the
+      aligned one (mixed sampling would make it random).
+    - ``forward`` without ``labels``: each position exits according to the exit strategy (``exit_strategy``,
+      ``fixed_exit``, ``exit_thresholds`` arguments, else the values ``generate()`` set, else the config); a single
+      new token with a cache takes the row-subset early-exit step (Algorithm 2), everything else the layer-wise
+      pass. ``token_exits=[b, T]`` forces an exit sequence (recomputation with copied states, Eq. 5).
+    - ``generate()`` is Transformers' own loop (greedy, beam search, sampling, every ``GenerationConfig`` option)
+      over that forward; ``return_exits=True`` adds the per-token exits.
+    """
+
+    config_class = DepthAdaptiveConfig
+    base_model_class = DepthAdaptiveModel
+    components = DEPTH_ADAPTIVE_COMPONENTS
+
+    def __init__(self, config: DepthAdaptiveConfig):
+        super().__init__(config)
+        num_exits = config.decoder_layers
+        if config.exit_classifiers == "independent":
+            self.exit_classifiers = nn.ModuleList(
+                [nn.Linear(config.decoder_embed_dim, config.decoder_vocab_size, bias=False) for _ in range(num_exits - 1)]
+            )
+        else:
+            self.exit_classifiers = None
+        halting_class = HALTING_CLASSES.get(config.halting_mechanism)
+        self.halting = halting_class(config) if halting_class is not None else None
+        self._generation_exit_settings: ExitSettings | None = None
+        self.post_init()
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module):
+        if isinstance(module, GeometricHalting):
+            if not getattr(module.bias, "_is_hf_initialized", False):
+                nn.init.zeros_(module.bias)
+            return
+        super()._init_weights(module)
+
+    # -- classifiers --------------------------------------------------------------------------------------------
+
+    @property
+    def num_exits(self) -> int:
+        return self.config.decoder_layers
+
+    def exit_classifier(self, block: int) -> nn.Module:
+        """C_n (Eq. 3) for ``block`` n ∈ 1..N."""
+        if not 1 <= block <= self.num_exits:
+            raise ValueError(f"exit block must be in 1..{self.num_exits}, got {block}")
+        if block == self.num_exits or self.exit_classifiers is None:
+            return self.lm_head
+        return self.exit_classifiers[block - 1]
+
+    def classify(self, block: int, states: torch.Tensor) -> torch.Tensor:
+        """Logits W_n h^n_t of Eq. 3."""
+        return self.exit_classifier(block)(self.model.decoder.finalize(states))
+
+    def classify_by_exit(self, states: torch.Tensor, exits: torch.Tensor) -> torch.Tensor:
+        """Logits of each position's own exit classifier: ``states [b, T, d]``, ``exits [b, T]`` → ``[b, T, V]``."""
+        if self.exit_classifiers is None:
+            return self.lm_head(self.model.decoder.finalize(states))
+        present = torch.unique(exits).tolist()
+        if len(present) == 1:
+            return self.classify(int(present[0]), states)
+        flat_states = states.reshape(-1, states.shape[-1])
+        flat_exits = exits.reshape(-1)
+        logits = flat_states.new_empty(flat_states.shape[0], self.config.decoder_vocab_size)
+        for block in present:
+            positions = torch.nonzero(flat_exits == block).squeeze(-1)
+            logits = logits.index_copy(0, positions, self.classify(int(block), flat_states.index_select(0, positions)))
+        return logits.view(*exits.shape, -1)
+
+    # -- exit settings --------------------------------------------------------------------------------------------
+
+    def resolve_exit_settings(self, exit_strategy=None, fixed_exit=None, exit_thresholds=None) -> ExitSettings:
+        """Explicit arguments, else the settings of the running ``generate()`` call, else the config."""
+        base = self._generation_exit_settings
+        config = self.config
+        strategy = exit_strategy or (base.strategy if base is not None else config.default_exit_strategy)
+        if strategy not in EXIT_STRATEGIES:
+            raise ValueError(f"exit_strategy must be one of {EXIT_STRATEGIES}, got {strategy!r}")
+        if fixed_exit is None:
+            fixed_exit = base.fixed_exit if base is not None else config.fixed_exit
+        if exit_thresholds is None:
+            thresholds = base.thresholds if base is not None else tuple(config.default_exit_thresholds)
+        else:
+            thresholds = tuple(validate_exit_thresholds(exit_thresholds, self.num_exits))
+        if strategy == "fixed":
+            if fixed_exit is None or isinstance(fixed_exit, bool) or not 1 <= int(fixed_exit) <= self.num_exits:
+                raise ValueError(f"exit_strategy='fixed' needs fixed_exit in 1..{self.num_exits}, got {fixed_exit!r}")
+            fixed_exit = int(fixed_exit)
+        if strategy == "halting" and self.halting is None:
+            raise ValueError("exit_strategy='halting' needs a model with a halting_mechanism (config.halting_mechanism)")
+        return ExitSettings(strategy=strategy, fixed_exit=fixed_exit, thresholds=thresholds)
+
+    def make_exit_decider(self, settings: ExitSettings, encoder_hidden_states, encoder_attention_mask) -> ExitDecider:
+        sequence_exits = None
+        if settings.strategy == "halting" and self.config.halting_mechanism == "sequence":
+            # Eq. 8 at inference: the most probable exit, for every token of the sentence.
+            sequence_exits = torch.argmax(self.halting(encoder_hidden_states, encoder_attention_mask), dim=-1) + 1
+        return ExitDecider(
+            settings,
+            self.num_exits,
+            classify=self.classify,
+            halting=self.halting,
+            halting_mechanism=self.config.halting_mechanism,
+            sequence_exits=sequence_exits,
+        )
+
+    # -- forward --------------------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        past_key_values=None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int = 0,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        token_exits: torch.LongTensor | None = None,
+        exit_strategy: str | None = None,
+        fixed_exit: int | None = None,
+        exit_thresholds: Sequence[float] | None = None,
+        return_exit_logits: bool = False,
+        **kwargs,
+    ) -> DepthAdaptiveSeq2SeqLMOutput | tuple:
+        """See the class docstring. Attention weights and per-layer hidden states are not returned (the early-exit
+        loops do not build them)."""
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        for key in ("cache_position", "position_ids", "decoder_position_ids"):
+            kwargs.pop(key, None)
+        if kwargs:
+            raise TypeError(f"DepthAdaptiveForConditionalGeneration.forward got unexpected arguments {sorted(kwargs)}")
+        config = self.config
+        if attention_mask is None and input_ids is not None:
+            attention_mask = input_ids.ne(config.pad_token_id).long()
+        if encoder_outputs is None:
+            encoder_outputs = self.model.encoder(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds)
+        elif not isinstance(encoder_outputs, BaseModelOutput):
+            encoder_outputs = BaseModelOutput(last_hidden_state=encoder_outputs[0])
+        encoder_states = encoder_outputs.last_hidden_state
+        if labels is not None:
+            use_cache = False
+            if decoder_input_ids is None and decoder_inputs_embeds is None:
+                decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+        use_cache = use_cache if use_cache is not None else config.use_cache
+        if use_cache and past_key_values is None:
+            past_key_values = EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
+        if not use_cache:
+            past_key_values = None
+        decoder = self.model.decoder
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        hidden_states = decoder.embed(decoder_input_ids, past_length, decoder_inputs_embeds)
+        batch, length = hidden_states.shape[:2]
+        layer_kwargs = {
+            "attention_mask": decoder.self_attention_mask(
+                batch, length, past_length, decoder_attention_mask, hidden_states.dtype, hidden_states.device
+            ),
+            "encoder_hidden_states": encoder_states,
+            "encoder_attention_mask": padding_mask(attention_mask, hidden_states.dtype),
+        }
+        if labels is not None and token_exits is None:
+            fields = self._training_forward(
+                hidden_states, layer_kwargs, labels, encoder_states, attention_mask, num_items_in_batch,
+                return_exit_logits,
+            )
+        else:
+            settings = self.resolve_exit_settings(exit_strategy, fixed_exit, exit_thresholds)
+            if token_exits is None and past_key_values is not None and length == 1:
+                decider = self.make_exit_decider(settings, encoder_states, attention_mask)
+                logits, exits = decoder.early_exit_step(
+                    hidden_states, layer_kwargs, past_key_values, decider, self.classify
+                )
+                exits = exits.unsqueeze(-1)
+            else:
+                decider = None if token_exits is not None else self.make_exit_decider(settings, encoder_states, attention_mask)
+                _, exit_states, exits = decoder.forward_layerwise(
+                    hidden_states, layer_kwargs, past_key_values, token_exits=token_exits, decider=decider
+                )
+                kept_exits = exits
+                if logits_to_keep:
+                    exit_states, kept_exits = exit_states[:, -logits_to_keep:], exits[:, -logits_to_keep:]
+                logits = self.classify_by_exit(exit_states, kept_exits)
+            loss = None
+            if labels is not None:
+                loss, _ = label_smoothed_nll_loss(logits, labels, config.label_smoothing, num_items_in_batch=num_items_in_batch)
+            fields = {"loss": loss, "logits": logits, "exits": exits, "decoding_loss": loss}
+        output = DepthAdaptiveSeq2SeqLMOutput(
+            **fields,
+            past_key_values=past_key_values if use_cache else None,
+            encoder_last_hidden_state=encoder_states,
+        )
+        return output if return_dict else output.to_tuple()
+
+    def _token_denominator(self, labels, num_items_in_batch):
+        if num_items_in_batch is not None:
+            return num_items_in_batch
+        return labels.ne(-100).sum().clamp(min=1)
+
+    def _training_forward(
+        self, hidden_states, layer_kwargs, labels, encoder_states, encoder_attention_mask, num_items_in_batch,
+        return_exit_logits,
+    ) -> dict:
+        """The training objective (Eq. 4 or 5, plus α·Eq. 6): the fields of the output."""
+        config = self.config
+        decoder = self.model.decoder
+        epsilon = config.label_smoothing
+        if self.training and config.training_mode == "mixed":
+            # Eq. 5: M exit sequences n_t ~ U{1..N}, copied states above each exit.
+            losses = []
+            for _ in range(config.mixed_num_samples):
+                sampled = torch.randint(1, self.num_exits + 1, labels.shape, device=labels.device)
+                _, exit_states, _ = decoder.forward_layerwise(hidden_states, layer_kwargs, token_exits=sampled)
+                logits = self.classify_by_exit(exit_states, sampled)
+                losses.append(label_smoothed_nll_loss(logits, labels, epsilon, num_items_in_batch=num_items_in_batch)[0])
+            loss = torch.stack(losses).mean()
+            return {"loss": loss, "logits": logits, "exits": sampled, "decoding_loss": loss}
+        # Eq. 4, aligned training (also the evaluation loss of every model).
+        gammas = None
+        if self.training and config.gradient_scaling is not None:
+            gammas = gradient_scaling_factors(float(config.gradient_scaling), self.num_exits)
+        states, _, _ = decoder.forward_layerwise(hidden_states, layer_kwargs, keep_states=True, gradient_scales=gammas)
+        exit_logits, per_exit_losses = [], []
+        for block, block_states in enumerate(states, start=1):
+            logits = self.classify(block, block_states)
+            if gammas is not None:
+                logits = scale_gradient(logits, gammas[block - 1])  # Algorithm 1, line 4
+            exit_logits.append(logits)
+            per_exit_losses.append(
+                label_smoothed_nll_loss(logits, labels, epsilon, num_items_in_batch=num_items_in_batch)[0]
+            )
+        per_exit = torch.stack(per_exit_losses)
+        decoding_loss = aligned_decoding_loss(
+            per_exit, exit_loss_weights(config.exit_loss_weighting, self.num_exits).to(per_exit.device)
+        )
+        loss = decoding_loss
+        exit_loss_value = oracle = log_q = None
+        if self.halting is not None and config.exit_loss_alpha > 0:
+            raw_exit_loss, oracle, log_q = self.halting_loss(
+                states, exit_logits, labels, encoder_states, encoder_attention_mask
+            )
+            exit_loss_value = raw_exit_loss / self._token_denominator(labels, num_items_in_batch)
+            loss = decoding_loss + config.exit_loss_alpha * exit_loss_value  # Eq. 7
+        exits = torch.full(labels.shape, self.num_exits, dtype=torch.long, device=labels.device)
+        return {
+            "loss": loss,
+            "logits": exit_logits[-1],
+            "exits": exits,
+            "decoding_loss": decoding_loss,
+            "exit_loss": exit_loss_value,
+            "per_exit_losses": per_exit.detach(),
+            "exit_logits": tuple(exit_logits) if return_exit_logits else None,
+            "oracle_exits": oracle,
+            "exit_log_probs": log_q,
+        }
+
+    def halting_loss(self, states, exit_logits, labels, encoder_states, encoder_attention_mask):
+        """Σ H(q*, q) of Eq. 6 (summed over sentences or target tokens) for the model's halting mechanism and oracle,
+        from aligned states ``h¹ … h^N`` and the N classifiers' logits. Returns ``(loss, oracle exits, log q)``."""
+        config = self.config
+        target_mask = labels.ne(-100)
+        safe_labels = labels.masked_fill(~target_mask, 0)
+        with torch.no_grad():
+            if config.oracle == "likelihood":
+                scores = torch.stack(
+                    [
+                        F.log_softmax(logits.float(), dim=-1).gather(-1, safe_labels.unsqueeze(-1)).squeeze(-1)
+                        for logits in exit_logits
+                    ],
+                    dim=-1,
+                )  # LL^n_t
+            else:
+                scores = torch.stack([logits.argmax(-1).eq(labels) for logits in exit_logits], dim=-1)  # C^n_t
+        lam, sigma = float(config.oracle_lambda), float(config.oracle_sigma)
+        if config.halting_mechanism == "sequence":
+            oracle = (
+                sequence_likelihood_oracle(scores, target_mask, lam)
+                if config.oracle == "likelihood"
+                else sequence_correctness_oracle(scores, target_mask, lam)
+            )
+            log_q = self.halting(encoder_states, encoder_attention_mask)
+            return exit_loss(log_q, oracle), oracle, log_q
+        oracle = (
+            token_likelihood_oracle(scores, target_mask, sigma, lam)
+            if config.oracle == "likelihood"
+            else token_correctness_oracle(scores, target_mask, sigma, lam)
+        )
+        if config.halting_mechanism == "token_multinomial":
+            log_q = self.halting(states[0])
+        else:
+            log_q = self.halting(states[: self.num_exits - 1])
+        return exit_loss(log_q, oracle, target_mask), oracle, log_q
+
+    # -- generation -----------------------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        inputs=None,
+        generation_config=None,
+        exit_strategy: str | None = None,
+        fixed_exit: int | None = None,
+        exit_thresholds: Sequence[float] | None = None,
+        return_exits: bool = False,
+        **kwargs,
+    ):
+        """``GenerationMixin.generate`` (every ``GenerationConfig`` option) with early exits.
+
+        ``exit_strategy`` / ``fixed_exit`` / ``exit_thresholds`` choose the exits for this call (also read from
+        attributes of the same names on ``generation_config``; default: the model config). With
+        ``return_exits=True`` the per-token exits come back as ``exits`` ``[rows, len − 1]`` (exit of
+        ``sequences[:, 1:]``, 0 after the hypothesis ended): added to the ``GenerateOutput`` with
+        ``return_dict_in_generate=True``, else a :class:`DepthAdaptiveGenerateOutput`. They are recomputed with
+        the layer-wise pass over the final hypotheses, which takes the same decisions as the incremental steps.
+        """
+        kwargs.pop("labels", None)  # Seq2SeqTrainer passes the whole batch
+        if generation_config is not None:
+            exit_strategy = exit_strategy or getattr(generation_config, "exit_strategy", None)
+            fixed_exit = fixed_exit if fixed_exit is not None else getattr(generation_config, "fixed_exit", None)
+            if exit_thresholds is None:
+                exit_thresholds = getattr(generation_config, "exit_thresholds", None)
+        settings = self.resolve_exit_settings(exit_strategy, fixed_exit, exit_thresholds)
+        previous = self._generation_exit_settings
+        self._generation_exit_settings = settings
+        try:
+            output = super().generate(inputs, generation_config, **kwargs)
+            if not return_exits:
+                return output
+            sequences = output if isinstance(output, torch.Tensor) else output.sequences
+            input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+            exits = self.compute_token_exits(
+                sequences,
+                input_ids=input_ids,
+                attention_mask=kwargs.get("attention_mask"),
+                encoder_outputs=kwargs.get("encoder_outputs"),
+            )
+        finally:
+            self._generation_exit_settings = previous
+        if isinstance(output, torch.Tensor):
+            return DepthAdaptiveGenerateOutput(sequences=output, exits=exits)
+        output["exits"] = exits
+        return output
+
+    @torch.no_grad()
+    def compute_token_exits(
+        self,
+        sequences: torch.LongTensor,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        encoder_outputs=None,
+        exit_strategy: str | None = None,
+        fixed_exit: int | None = None,
+        exit_thresholds: Sequence[float] | None = None,
+    ) -> torch.LongTensor:
+        """The exit (1..N) at which each token of ``sequences[:, 1:]`` is emitted under the exit strategy, from one
+        layer-wise pass over the hypotheses (teacher forcing on ``sequences[:, :-1]``); 0 after the first ``</s>``.
+        ``sequences`` may hold k hypotheses per source row (beam search, ``num_return_sequences``)."""
+        if input_ids is None and encoder_outputs is None:
+            raise ValueError("compute_token_exits needs input_ids or encoder_outputs")
+        if attention_mask is None and input_ids is not None:
+            attention_mask = input_ids.ne(self.config.pad_token_id).long()
+        if encoder_outputs is None:
+            encoder_outputs = self.model.encoder(input_ids=input_ids, attention_mask=attention_mask)
+        encoder_states = encoder_outputs[0]
+        sources = encoder_states.shape[0]
+        if sequences.shape[0] % sources != 0:
+            raise ValueError(f"{sequences.shape[0]} sequences for {sources} sources: not a whole number per source")
+        per_source = sequences.shape[0] // sources
+        if per_source > 1:
+            encoder_states = encoder_states.repeat_interleave(per_source, dim=0)
+            attention_mask = attention_mask.repeat_interleave(per_source, dim=0) if attention_mask is not None else None
+        if sequences.shape[1] < 2:
+            return sequences.new_zeros(sequences.shape[0], 0)
+        output = self(
+            attention_mask=attention_mask,
+            encoder_outputs=BaseModelOutput(last_hidden_state=encoder_states),
+            decoder_input_ids=sequences[:, :-1],
+            use_cache=False,
+            exit_strategy=exit_strategy,
+            fixed_exit=fixed_exit,
+            exit_thresholds=exit_thresholds,
+        )
+        targets = sequences[:, 1:]
+        eos = self.generation_config.eos_token_id if self.generation_config.eos_token_id is not None else self.config.eos_token_id
+        eos_ids = torch.tensor(eos if isinstance(eos, (list, tuple)) else [eos], device=targets.device)
+        is_eos = torch.isin(targets, eos_ids).long()
+        ended_before = (torch.cumsum(is_eos, dim=1) - is_eos) > 0
+        return output.exits.masked_fill(ended_before, 0)
+
+
+__all__ = [
+    "DepthAdaptiveConfig",
+    "DepthAdaptiveDecoder",
+    "DepthAdaptiveForConditionalGeneration",
+    "DepthAdaptiveGenerateOutput",
+    "DepthAdaptiveModel",
+    "DepthAdaptiveSeq2SeqLMOutput",
+    "DecoderFlopsShape",
+    "ExitDecider",
+    "ExitSettings",
+    "GeometricHalting",
+    "SequenceHalting",
+    "TokenMultinomialHalting",
+    "average_exit",
+    "average_flops_per_token",
+    "exit_loss",
+    "exit_loss_weights",
+]

@@ -1,0 +1,253 @@
+"""Depth-Adaptive Transformer: config validation and the paper's equations against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from configuration.configuration_depth_adaptive import DepthAdaptiveConfig
+from modeling.modeling_depth_adaptive import (
+    DecoderFlopsShape,
+    aligned_decoding_loss,
+    average_exit,
+    average_flops_per_token,
+    block_flops,
+    exit_loss,
+    exit_loss_weights,
+    exit_prediction_flops,
+    geometric_exit_log_probs,
+    gradient_scaling_factors,
+    mean_encoder_output,
+    rbf_kernel,
+    scale_gradient,
+    sequence_correctness_oracle,
+    sequence_flops,
+    sequence_halting_log_probs,
+    sequence_likelihood_oracle,
+    skipped_block_flops,
+    smooth_over_time,
+    token_correctness_oracle,
+    token_likelihood_oracle,
+    token_multinomial_log_probs,
+)
+
+# ---------------------------------------------------------------------------------------------------------------- config
+
+
+def test_config_defaults_and_round_trip(tmp_path):
+    config = DepthAdaptiveConfig(decoder_layers=3, exit_thresholds=[0.2, 1])
+    assert config.model_type == "depth_adaptive"
+    assert config.num_exits == 3
+    assert config.exit_thresholds == [0.2, 1.0]
+    assert config.default_exit_strategy == "full"
+    assert DepthAdaptiveConfig(decoder_layers=3, halting_mechanism="token_geometric").default_exit_strategy == "halting"
+    assert DepthAdaptiveConfig(decoder_layers=4).default_exit_thresholds == [0.5, 0.5, 0.5]
+    config.save_pretrained(tmp_path)
+    loaded = DepthAdaptiveConfig.from_pretrained(tmp_path)
+    assert loaded.exit_thresholds == [0.2, 1.0] and loaded.decoder_layers == 3
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"exit_classifiers": "tied"}, "exit_classifiers"),
+        ({"training_mode": "random"}, "training_mode"),
+        ({"exit_loss_weighting": "n2"}, "exit_loss_weighting"),
+        ({"halting_mechanism": "act"}, "halting_mechanism"),
+        ({"oracle": "bleu"}, "oracle"),
+        ({"exit_strategy": "sometimes"}, "exit_strategy"),
+        ({"mixed_num_samples": 0}, "mixed_num_samples"),
+        ({"gradient_scaling": 0.0}, "gradient_scaling"),
+        ({"gradient_scaling": 0.5, "training_mode": "mixed"}, "gradient_scaling"),
+        ({"oracle_lambda": -0.1}, "oracle_lambda"),
+        ({"oracle_sigma": float("nan")}, "oracle_sigma"),
+        ({"exit_loss_alpha": 1.0}, "exit_loss_alpha"),
+        ({"exit_loss_alpha": 1.0, "halting_mechanism": "sequence", "training_mode": "mixed"}, "exit_loss_alpha"),
+        ({"exit_strategy": "halting"}, "exit_strategy"),
+        ({"fixed_exit": 0}, "fixed_exit"),
+        ({"fixed_exit": 4}, "fixed_exit"),
+        ({"exit_strategy": "fixed"}, "fixed_exit"),
+        ({"exit_thresholds": [0.5]}, "exit_thresholds"),
+        ({"exit_thresholds": [0.5, 1.5]}, "exit_thresholds"),
+    ],
+)
+def test_config_rejects_bad_values_naming_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        DepthAdaptiveConfig(decoder_layers=3, **overrides)
+
+
+# ---------------------------------------------------------------------------------------- Eq. 4 and Appendix A scaling
+
+
+def test_exit_loss_weights_match_table_2_schemes():
+    torch.testing.assert_close(exit_loss_weights("uniform", 4), torch.full((4,), 0.25, dtype=torch.float64))
+    torch.testing.assert_close(exit_loss_weights("inv_n", 2), torch.tensor([2 / 3, 1 / 3], dtype=torch.float64))
+    torch.testing.assert_close(exit_loss_weights("n", 3), torch.tensor([1 / 6, 2 / 6, 3 / 6], dtype=torch.float64))
+    sqrt = torch.tensor([1.0, math.sqrt(2)], dtype=torch.float64)
+    torch.testing.assert_close(exit_loss_weights("sqrt_n", 2), sqrt / sqrt.sum())
+    inv_sqrt = 1 / sqrt
+    torch.testing.assert_close(exit_loss_weights("inv_sqrt_n", 2), inv_sqrt / inv_sqrt.sum())
+    with pytest.raises(ValueError, match="exit_loss_weighting"):
+        exit_loss_weights("cubic", 2)
+
+
+def test_aligned_decoding_loss_is_the_weighted_average():
+    losses = torch.tensor([2.0, 4.0, 6.0])
+    assert aligned_decoding_loss(losses, exit_loss_weights("uniform", 3)).item() == pytest.approx(4.0)
+    assert aligned_decoding_loss(losses, exit_loss_weights("n", 3)).item() == pytest.approx((2 + 8 + 18) / 6)
+
+
+def test_scale_gradient_is_identity_forward_and_scales_backward():
+    x = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
+    y = scale_gradient(x, 0.3)
+    torch.testing.assert_close(y, x.detach())
+    (y * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+    torch.testing.assert_close(x.grad, torch.tensor([0.3, 0.6, 0.9]))
+
+
+def test_gradient_scaling_factors_gamma_times_blocks_above():
+    assert gradient_scaling_factors(0.5, 4) == [1.5, 1.0, 0.5, 1.0]
+    with pytest.raises(ValueError, match="gamma"):
+        gradient_scaling_factors(0.0, 4)
+
+
+# ---------------------------------------------------------------------------------------- halting distributions
+
+
+def test_sequence_halting_distribution_eq8_uses_mean_of_non_pad_encoder_states():
+    states = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [100.0, 100.0]]])
+    mask = torch.tensor([[1, 1, 0]])
+    mean = mean_encoder_output(states, mask)
+    torch.testing.assert_close(mean, torch.tensor([[2.0, 3.0]]))
+    projection = nn.Linear(2, 3)
+    with torch.no_grad():
+        projection.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]))
+        projection.bias.copy_(torch.tensor([0.0, 0.0, 1.0]))
+    # logits (2, 3, 1) → softmax
+    expected = torch.log_softmax(torch.tensor([[2.0, 3.0, 1.0]]), dim=-1)
+    torch.testing.assert_close(sequence_halting_log_probs(mean, projection), expected)
+
+
+def test_token_multinomial_distribution_eq11():
+    projection = nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        projection.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
+    log_q = token_multinomial_log_probs(torch.tensor([[[math.log(3.0), 5.0]]]), projection)
+    torch.testing.assert_close(log_q.exp(), torch.tensor([[[0.75, 0.25]]]))
+
+
+def test_geometric_like_distribution_eq13_by_hand():
+    # χ¹ = sigmoid(0) = 0.5, χ² = sigmoid(log 3) = 0.75 → q = (0.5, 0.5·0.75, 0.5·0.25)
+    log_q = geometric_exit_log_probs(torch.tensor([0.0, math.log(3.0)]))
+    torch.testing.assert_close(log_q.exp(), torch.tensor([0.5, 0.375, 0.125]))
+    random_logits = torch.randn(4, 7, 5)
+    torch.testing.assert_close(geometric_exit_log_probs(random_logits).exp().sum(-1), torch.ones(4, 7))
+
+
+# ---------------------------------------------------------------------------------------------------------- oracles
+
+# LL^n_t for one sentence, T = 2 tokens, N = 3 exits.
+TOKEN_LL = torch.tensor([[[-1.0, -0.5, -0.4], [-2.0, -1.0, -0.2]]])
+FULL_MASK = torch.ones(1, 2, dtype=torch.bool)
+
+
+def test_sequence_likelihood_oracle_eq9():
+    # LL^n = (-3, -1.5, -0.6)
+    assert sequence_likelihood_oracle(TOKEN_LL, FULL_MASK, 0.0).tolist() == [3]
+    # − λn with λ = 1: (-4, -3.5, -3.6) → block 2
+    assert sequence_likelihood_oracle(TOKEN_LL, FULL_MASK, 1.0).tolist() == [2]
+    # padding is ignored: only t = 1 counts, (-1, -0.5, -0.4) − 0.2n = (-1.2, -0.9, -1.0) → block 2
+    assert sequence_likelihood_oracle(TOKEN_LL, torch.tensor([[True, False]]), 0.2).tolist() == [2]
+
+
+def test_sequence_correctness_oracle_eq10_prefers_the_lowest_block_on_ties():
+    correct = torch.tensor([[[True, False, True], [False, True, True]]])  # C = (1, 1, 2)
+    assert sequence_correctness_oracle(correct, FULL_MASK, 0.0).tolist() == [3]
+    assert sequence_correctness_oracle(correct, FULL_MASK, 1.0).tolist() == [1]  # (0, -1, -1)
+    assert sequence_correctness_oracle(correct, FULL_MASK, 0.5).tolist() == [1]  # (0.5, 0, 0.5): tie → lowest
+
+
+def test_rbf_kernel_eq15():
+    kernel = rbf_kernel(3, 2.0)
+    assert kernel[0, 1].item() == pytest.approx(math.exp(-1 / 4))
+    assert kernel[0, 2].item() == pytest.approx(math.exp(-4 / 4))
+    assert kernel[1, 1].item() == 1.0
+    torch.testing.assert_close(rbf_kernel(3, 0.0), torch.eye(3))
+
+
+def test_smoothing_leaves_out_padding():
+    scores = torch.tensor([[[1.0], [10.0], [100.0]]])
+    smoothed = smooth_over_time(scores, torch.tensor([[True, True, False]]), 1.0)
+    e = math.exp(-1.0)
+    torch.testing.assert_close(smoothed[0, :, 0], torch.tensor([1 + 10 * e, e + 10, math.exp(-4) + 10 * e]))
+
+
+def test_token_likelihood_oracle_eq14_and_eq15():
+    # σ = 0 (Eq. 14): per token, t1 (-1, -.5, -.4) → 3; t2 (-2, -1, -.2) → 3; with λ = 0.2: t1 → 2, t2 → 3
+    assert token_likelihood_oracle(TOKEN_LL, FULL_MASK, 0.0, 0.0).tolist() == [[3, 3]]
+    assert token_likelihood_oracle(TOKEN_LL, FULL_MASK, 0.0, 0.2).tolist() == [[2, 3]]
+    # σ = 1 (Eq. 15): LL̃_1 = LL_1 + e^-1 LL_2 = (-1.7358, -0.8679, -0.4736); − 0.2n → (-1.936, -1.268, -1.074) → 3
+    # LL̃_2 = e^-1 LL_1 + LL_2 = (-2.3679, -1.1839, -0.3472); − 0.2n → (-2.568, -1.584, -0.947) → 3
+    assert token_likelihood_oracle(TOKEN_LL, FULL_MASK, 1.0, 0.2).tolist() == [[3, 3]]
+    # λ = 0.5: LL̃_1 − 0.5n = (-2.236, -1.868, -1.974) → 2
+    assert token_likelihood_oracle(TOKEN_LL, FULL_MASK, 1.0, 0.5).tolist()[0][0] == 2
+
+
+def test_token_correctness_oracle_eq16_eq17():
+    # T = 3, N = 2: block 1 right at t = 1 only; block 2 right at t = 2, 3.
+    correct = torch.tensor([[[True, False], [False, True], [False, True]]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    assert token_correctness_oracle(correct, mask, 0.0, 0.0).tolist() == [[1, 2, 2]]
+    # σ = 1: C̃_1 = (1, e^-1 + e^-4) = (1, 0.386) → 1; C̃_2 = (e^-1, 1 + e^-1) → 2
+    assert token_correctness_oracle(correct, mask, 1.0, 0.0).tolist() == [[1, 2, 2]]
+    # σ = 1, λ = 0.7: C̃_2 − 0.7n = (0.368 − 0.7, 1.368 − 1.4) = (-0.332, -0.032) → 2
+    assert token_correctness_oracle(correct, mask, 1.0, 0.7).tolist()[0][1] == 2
+    # λ = 1.1: (0.368 − 1.1, 1.368 − 2.2) = (-0.732, -0.832) → 1
+    assert token_correctness_oracle(correct, mask, 1.0, 1.1).tolist()[0][1] == 1
+
+
+def test_exit_loss_eq6_is_the_cross_entropy_to_the_dirac_oracle():
+    log_q = torch.log(torch.tensor([[[0.5, 0.375, 0.125], [0.2, 0.3, 0.5]]]))
+    oracle = torch.tensor([[2, 3]])
+    assert exit_loss(log_q, oracle).item() == pytest.approx(-math.log(0.375) - math.log(0.5))
+    assert exit_loss(log_q, oracle, torch.tensor([[True, False]])).item() == pytest.approx(-math.log(0.375))
+
+
+# ---------------------------------------------------------------------------------------------- Appendix B FLOPs
+
+SHAPE = DecoderFlopsShape(decoder_embed_dim=4, encoder_embed_dim=8, ffn_dim=16, vocab_size=10, num_blocks=3)
+
+
+def test_block_flops_by_hand():
+    # 12·4² + 4·16·4 + 4·t·4 + 4·5·4 = 192 + 256 + 16t + 80; first call adds 4·5·4·8 = 640
+    assert block_flops(SHAPE, source_length=5, t=1, first_call=False) == 192 + 256 + 16 + 80
+    assert block_flops(SHAPE, source_length=5, t=2, first_call=True) == 192 + 256 + 32 + 80 + 640
+    assert skipped_block_flops(SHAPE) == 64
+
+
+def test_exit_prediction_flops_by_mechanism():
+    assert exit_prediction_flops(SHAPE, "sequence", 1, 2) == 2 * 3 * 4
+    assert exit_prediction_flops(SHAPE, "sequence", 2, 2) == 0
+    assert exit_prediction_flops(SHAPE, "token_multinomial", 5, 1) == 2 * 3 * 4
+    assert exit_prediction_flops(SHAPE, "token_geometric", 5, 2) == 2 * 4 * 2
+    assert exit_prediction_flops(SHAPE, "confidence", 5, 2) == 2 * 2 * 10 * 4
+    assert exit_prediction_flops(SHAPE, "fixed", 5, 2) == 0
+    with pytest.raises(ValueError, match="mechanism"):
+        exit_prediction_flops(SHAPE, "oracle", 1, 1)
+
+
+def test_sequence_flops_baseline_and_adaptive_by_hand():
+    # Baseline, 2 tokens, all 3 blocks: t=1: 3·(1168 + 16) + 80; t=2: 3·(528 + 32) + 80
+    assert sequence_flops(SHAPE, [3, 3], 5, "full") == 3 * 1184 + 80 + 3 * 560 + 80
+    # Geometric-like exits (1, 2): t=1: FC(first) 1184 + 2·FS 128 + FP 8 + 80;
+    # t=2: block 1 560 + block 2 first call 1200 + FS 64 + FP 16 + 80
+    assert sequence_flops(SHAPE, [1, 2], 5, "token_geometric") == (1184 + 128 + 8 + 80) + (560 + 1200 + 64 + 16 + 80)
+    # Confidence: FP = 2 q V d replaces the final projection
+    assert sequence_flops(SHAPE, [1, 2], 5, "confidence") == (1184 + 128 + 80) + (560 + 1200 + 64 + 160)
+    assert average_flops_per_token(SHAPE, [[1, 2], [3]], [5, 5], "token_geometric") == pytest.approx(
+        ((1184 + 128 + 8 + 80) + (560 + 1200 + 64 + 16 + 80) + (3 * 1184 + 2 * 4 * 3 + 80)) / 3
+    )
+    assert average_exit([[1, 2], [3]]) == 2.0
+    with pytest.raises(ValueError, match="outside"):
+        sequence_flops(SHAPE, [4], 5, "full")
