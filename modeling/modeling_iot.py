@@ -11,9 +11,23 @@ the backbone's ``PerRowSublayerOrder`` seam.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from transformers.cache_utils import Cache
+from transformers.generation.utils import GenerateBeamEncoderDecoderOutput, GenerateEncoderDecoderOutput
+from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
+
+from configuration.configuration_iot import IOTConfig
+
+from .modeling_flexformer import (
+    FlexformerForConditionalGeneration,
+    FlexformerModel,
+    FlexformerPreTrainedModel,
+    PerRowSublayerOrder,
+)
 
 # ---------------------------------------------------------------------------------------------------------------
 # The paper's equations, one function each (all computed in fp32: they take logs of probabilities).
@@ -168,3 +182,667 @@ def sentence_label_smoothed_losses(
     else:
         smooth = torch.zeros_like(nll)
     return nll, smooth
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class IOTOrderPredictor(nn.Module):
+    """IOT's light predictor: one bias-free ``[num_orders, d]`` matrix on a masked mean (Eq. 1 / Eq. 2), with
+    dropout on its logits (as the official code). Initialised N(0, d^-0.5) in ``_init_weights``."""
+
+    def __init__(self, num_orders: int, embed_dim: int, dropout: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_orders, embed_dim))
+        self.dropout = dropout
+
+    def forward(self, states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        logits = order_predictor_logits(states, attention_mask, self.weight)
+        return F.dropout(logits, p=self.dropout, training=self.training)
+
+
+@dataclass
+class IOTEncoderOutput(BaseModelOutput):
+    """The encoder output plus the orders chosen per sentence (candidate indices into ``config.*_orders``).
+
+    Generation keeps it in ``model_kwargs``; ``generate()`` expands its tensors for beams / returned sequences,
+    so ``decoder_order_index`` always has one entry per decoder row.
+    """
+
+    encoder_order_index: torch.LongTensor | None = None
+    decoder_order_index: torch.LongTensor | None = None
+    encoder_order_probs: torch.FloatTensor | None = None
+    decoder_order_probs: torch.FloatTensor | None = None
+
+
+@dataclass
+class IOTSeq2SeqLMOutput(Seq2SeqLMOutput):
+    """``Seq2SeqLMOutput`` plus IOT's training signals.
+
+    path_losses (`[M, N]`): per-target-token label-smoothed loss of every encoder×decoder order path (detached;
+        in eval mode only the chosen path of each sentence is run, and this is `None`).
+    encoder_order_probs (`[b, M]`) / decoder_order_probs (`[b, M, N]` in training, `[b, N]` in eval): the
+        predictor distributions π (None without a predictor).
+    encoder_confidences (`[b, M]`) / decoder_confidences (`[b, M, N]`): the Gumbel-softmax weights γ, λ of Eq. 3.
+    diversity_loss / sharpness_loss: L_D (Eq. 5) and L_S (Eq. 6), summed over the encoder and decoder predictors.
+    encoder_order_index / decoder_order_index (`[b]`): the argmax order of each sentence (Eq. 4), as candidate
+        indices; `model.config.decoder_orders[i]` is the paper's code. `logits` are those of this path.
+    """
+
+    path_losses: torch.FloatTensor | None = None
+    encoder_order_probs: torch.FloatTensor | None = None
+    decoder_order_probs: torch.FloatTensor | None = None
+    encoder_confidences: torch.FloatTensor | None = None
+    decoder_confidences: torch.FloatTensor | None = None
+    diversity_loss: torch.FloatTensor | None = None
+    sharpness_loss: torch.FloatTensor | None = None
+    encoder_order_index: torch.LongTensor | None = None
+    decoder_order_index: torch.LongTensor | None = None
+
+
+@dataclass
+class IOTGenerateEncoderDecoderOutput(GenerateEncoderDecoderOutput):
+    """Greedy/sampling output plus the order codes (paper numbering) chosen for each input sentence."""
+
+    encoder_order_codes: torch.LongTensor | None = None
+    decoder_order_codes: torch.LongTensor | None = None
+
+
+@dataclass
+class IOTGenerateBeamEncoderDecoderOutput(GenerateBeamEncoderDecoderOutput):
+    """Beam-search output plus the order codes (paper numbering) chosen for each input sentence."""
+
+    encoder_order_codes: torch.LongTensor | None = None
+    decoder_order_codes: torch.LongTensor | None = None
+
+
+class IOTModel(FlexformerModel):
+    """The IOT encoder-decoder without LM head (``AutoModel``); the order predictors live on
+    :class:`IOTForConditionalGeneration`."""
+
+    config_class = IOTConfig
+
+
+def _reorder_rows(value, sentence_positions: torch.Tensor, batch_size: int):
+    """Reorder every batch-major tensor in ``value`` (nested tuples, caches) whose leading dimension is a multiple
+    of ``batch_size``: row block ``i`` (the rows of sentence ``i``) becomes block ``sentence_positions[i]``."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 or value.shape[0] % batch_size != 0:
+            return value
+        per_sentence = value.shape[0] // batch_size
+        index = (sentence_positions[:, None] * per_sentence + torch.arange(per_sentence, device=value.device)).flatten()
+        return value.index_select(0, index.to(value.device))
+    if isinstance(value, tuple):
+        return tuple(_reorder_rows(item, sentence_positions, batch_size) for item in value)
+    if isinstance(value, list):
+        return [_reorder_rows(item, sentence_positions, batch_size) for item in value]
+    if isinstance(value, Cache) and hasattr(value, "reorder_cache"):
+        self_cache = getattr(value, "self_attention_cache", value)
+        layers = getattr(self_cache, "layers", [])
+        if layers and getattr(layers[0], "keys", None) is not None and layers[0].keys.shape[0] % batch_size == 0:
+            per_sentence = layers[0].keys.shape[0] // batch_size
+            device = layers[0].keys.device
+            index = (sentence_positions[:, None].to(device) * per_sentence + torch.arange(per_sentence, device=device))
+            value.reorder_cache(index.flatten())
+        return value
+    return value
+
+
+class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
+    """IOT (model type ``iot``): the backbone with per-sentence sub-layer orders and order predictors.
+
+    - ``forward`` in training mode with ``labels`` runs every encoder order once and *all* N decoder orders in one
+      decoder pass (the M·N copies of the batch stacked along the batch dimension, one ``PerRowSublayerOrder``),
+      and returns the loss of Eq. 7 with the per-path losses, predictor distributions and confidences.
+    - In eval mode (and during generation) each sentence takes its argmax orders (Eq. 4); a batch mixing orders
+      runs through the backbone once with a ``PerRowSublayerOrder``.
+    - ``generate()`` predicts the orders, sorts the batch so sentences sharing an order are contiguous, decodes
+      (every ``GenerationConfig`` option works), and restores the input order. ``encoder_order=`` /
+      ``decoder_order=`` (paper codes) force one order for the whole batch (Fig. 2 analysis).
+    """
+
+    config_class = IOTConfig
+    base_model_class = IOTModel
+
+    def __init__(self, config: IOTConfig):
+        super().__init__(config)
+        dropout = config.dropout if config.predictor_dropout is None else config.predictor_dropout
+        use = config.uses_predictor
+        self.encoder_order_predictor = (
+            IOTOrderPredictor(config.num_encoder_orders, config.encoder_embed_dim, dropout)
+            if use and config.num_encoder_orders > 1
+            else None
+        )
+        self.decoder_order_predictor = (
+            IOTOrderPredictor(config.num_decoder_orders, config.encoder_embed_dim, dropout)
+            if use and config.num_decoder_orders > 1
+            else None
+        )
+        self.gumbel_step = 0
+        self._order_statistics: dict[str, torch.Tensor] = {}
+        self._decoder_order_cache: tuple | None = None
+        self.post_init()
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module):
+        if isinstance(module, IOTOrderPredictor):
+            if not getattr(module.weight, "_is_hf_initialized", False):
+                nn.init.normal_(module.weight, mean=0.0, std=module.weight.shape[1] ** -0.5)
+            return
+        super()._init_weights(module)
+
+    # -- temperatures ------------------------------------------------------------------------------------------
+
+    def set_gumbel_step(self, step: int) -> None:
+        """Set the optimisation step the Gumbel temperature schedule is evaluated at (the training callback)."""
+        self.gumbel_step = int(step)
+
+    def gumbel_temperatures(self) -> tuple[float, float]:
+        """(τ_e, τ_d) at the current step (see ``gumbel_temperature_at``)."""
+        c = self.config
+        schedule = (c.gumbel_temperature_min, c.gumbel_temperature_decay_rate, c.gumbel_temperature_update_freq)
+        return (
+            gumbel_temperature_at(self.gumbel_step, c.encoder_gumbel_temperature, *schedule),
+            gumbel_temperature_at(self.gumbel_step, c.decoder_gumbel_temperature, *schedule),
+        )
+
+    # -- order selection (Eq. 4) -------------------------------------------------------------------------------
+
+    def _fixed_index(self, candidates: list[int], forced: int | None, fallback: int | None, name: str) -> int | None:
+        code = forced if forced is not None else fallback
+        if code is None:
+            return 0 if len(candidates) == 1 else None
+        if code not in candidates:
+            raise ValueError(f"{name}={code} is not one of this model's candidates {candidates}")
+        return candidates.index(code)
+
+    def _sublayer_order(self, order_index: torch.Tensor, orders: list[tuple[str, ...]], fixed: int | None):
+        if fixed is not None:
+            return orders[fixed]
+        return PerRowSublayerOrder(order_index, orders)
+
+    def encode_with_orders(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        encoder_order: int | None = None,
+        decoder_order: int | None = None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+    ) -> IOTEncoderOutput:
+        """Choose each sentence's encoder order (Eq. 4 on Eq. 1's logits), run the encoder once, then choose the
+        decoder order (Eq. 4 on Eq. 2's logits). ``encoder_order`` / ``decoder_order`` (paper codes) force one
+        order for every sentence."""
+        config = self.config
+        if attention_mask is None:
+            attention_mask = input_ids.ne(config.pad_token_id).long()
+        batch = input_ids.shape[0]
+        device = input_ids.device
+        encoder = self.get_encoder()
+        fixed_encoder = self._fixed_index(
+            config.encoder_orders, encoder_order, None if config.uses_predictor else config.inference_encoder_order,
+            "encoder_order",
+        )
+        encoder_probs = None
+        if fixed_encoder is None:
+            if self.encoder_order_predictor is None:
+                fixed_encoder = 0
+            else:
+                logits = self.encoder_order_predictor(encoder.embed_tokens(input_ids), attention_mask)
+                encoder_probs = torch.softmax(logits, dim=-1)
+                encoder_index = logits.argmax(dim=-1)
+        if fixed_encoder is not None:
+            encoder_index = torch.full((batch,), fixed_encoder, dtype=torch.long, device=device)
+        encoder_outputs = encoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            sublayer_order=self._sublayer_order(encoder_index, config.encoder_sublayer_orders, fixed_encoder),
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+        )
+        fixed_decoder = self._fixed_index(
+            config.decoder_orders, decoder_order, None if config.uses_predictor else config.inference_decoder_order,
+            "decoder_order",
+        )
+        decoder_probs = None
+        if fixed_decoder is None:
+            if self.decoder_order_predictor is None:
+                fixed_decoder = 0
+            else:
+                logits = self.decoder_order_predictor(encoder_outputs.last_hidden_state, attention_mask)
+                decoder_probs = torch.softmax(logits, dim=-1)
+                decoder_index = logits.argmax(dim=-1)
+        if fixed_decoder is not None:
+            decoder_index = torch.full((batch,), fixed_decoder, dtype=torch.long, device=device)
+        return IOTEncoderOutput(
+            last_hidden_state=encoder_outputs.last_hidden_state,
+            hidden_states=encoder_outputs.hidden_states,
+            attentions=encoder_outputs.attentions,
+            encoder_order_index=encoder_index,
+            decoder_order_index=decoder_index,
+            encoder_order_probs=encoder_probs,
+            decoder_order_probs=decoder_probs,
+        )
+
+    @torch.no_grad()
+    def predict_orders(
+        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.LongTensor, torch.LongTensor]:
+        """The (encoder, decoder) order codes (paper numbering) each sentence takes at inference (Eq. 4)."""
+        outputs = self.encode_with_orders(input_ids, attention_mask)
+        return self.order_codes(outputs.encoder_order_index, outputs.decoder_order_index)
+
+    def order_codes(self, encoder_index: torch.Tensor, decoder_index: torch.Tensor):
+        """Candidate indices → paper codes."""
+        encoder_codes = torch.tensor(self.config.encoder_orders, device=encoder_index.device)
+        decoder_codes = torch.tensor(self.config.decoder_orders, device=decoder_index.device)
+        return encoder_codes[encoder_index], decoder_codes[decoder_index]
+
+    def decoder_sublayer_order_for(self, decoder_order_index: torch.Tensor):
+        """The decoder's ``sublayer_order`` for these rows, built once and reused while the same index tensor comes
+        back (every step of one ``generate()`` call), so the per-row grouping is not recomputed per step."""
+        cached = self._decoder_order_cache
+        if cached is not None and cached[0] is decoder_order_index:
+            return cached[1]
+        orders = self.config.decoder_sublayer_orders
+        first = decoder_order_index[:1]
+        # one host sync per batch (not per step): a batch that agrees on one order runs the plain path
+        if len(orders) == 1 or bool((decoder_order_index == first).all()):
+            sublayer_order = orders[int(first.item()) if decoder_order_index.numel() else 0]
+        else:
+            sublayer_order = PerRowSublayerOrder(decoder_order_index, orders)
+        self._decoder_order_cache = (decoder_order_index, sublayer_order)
+        return sublayer_order
+
+    # -- forward -----------------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int = 0,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        **kwargs,
+    ) -> IOTSeq2SeqLMOutput | tuple:
+        """Training (``self.training`` and ``labels``): all M×N order paths, loss of Eq. 7. Otherwise: each
+        sentence's argmax orders (Eq. 4); ``labels`` then give the label-smoothed loss of those paths."""
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        for key in ("cache_position", "position_ids", "decoder_position_ids"):
+            kwargs.pop(key, None)
+        if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
+            decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+        if self.training and labels is not None and encoder_outputs is None and past_key_values is None:
+            if input_ids is None:
+                raise ValueError("IOT training needs input_ids (the encoder predictor reads the token embeddings)")
+            output = self._forward_all_paths(
+                input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, labels, num_items_in_batch
+            )
+            return output if return_dict else output.to_tuple()
+        if labels is not None:
+            use_cache = False
+        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
+        if encoder_outputs is None:
+            if input_ids is None:
+                raise ValueError("pass input_ids (IOT chooses orders from the tokens) or encoder_outputs")
+            encoder_outputs = self.encode_with_orders(
+                input_ids, attention_mask, output_attentions=output_attentions,
+                output_hidden_states=output_hidden_states,
+            )
+        elif not isinstance(encoder_outputs, IOTEncoderOutput) or encoder_outputs.decoder_order_index is None:
+            encoder_outputs = self._with_decoder_orders(encoder_outputs, attention_mask, input_ids)
+        sublayer_order = self.decoder_sublayer_order_for(encoder_outputs.decoder_order_index)
+        if attention_mask is None and input_ids is not None:
+            attention_mask = input_ids.ne(self.config.pad_token_id).long()
+        outputs = self.model(
+            attention_mask=attention_mask,
+            decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_attention_mask,
+            encoder_outputs=encoder_outputs,
+            past_key_values=past_key_values,
+            decoder_inputs_embeds=decoder_inputs_embeds,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+            decoder_sublayer_order=sublayer_order,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        if logits_to_keep:
+            hidden_states = hidden_states[:, -logits_to_keep:]
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss, _ = self.compute_loss(logits, labels, num_items_in_batch)
+        output = IOTSeq2SeqLMOutput(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            decoder_hidden_states=outputs.decoder_hidden_states,
+            decoder_attentions=outputs.decoder_attentions,
+            cross_attentions=outputs.cross_attentions,
+            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
+            encoder_hidden_states=outputs.encoder_hidden_states,
+            encoder_attentions=outputs.encoder_attentions,
+            encoder_order_probs=encoder_outputs.encoder_order_probs,
+            decoder_order_probs=encoder_outputs.decoder_order_probs,
+            encoder_order_index=encoder_outputs.encoder_order_index,
+            decoder_order_index=encoder_outputs.decoder_order_index,
+        )
+        return output if return_dict else output.to_tuple()
+
+    def _with_decoder_orders(self, encoder_outputs, attention_mask, input_ids) -> IOTEncoderOutput:
+        """Encoder outputs computed elsewhere (plain ``BaseModelOutput`` or tuple): add Eq. 4's decoder orders."""
+        if not isinstance(encoder_outputs, BaseModelOutput):
+            encoder_outputs = BaseModelOutput(*encoder_outputs)
+        states = encoder_outputs.last_hidden_state
+        if attention_mask is None and input_ids is not None:
+            attention_mask = input_ids.ne(self.config.pad_token_id).long()
+        fixed = self._fixed_index(
+            self.config.decoder_orders, None,
+            None if self.config.uses_predictor else self.config.inference_decoder_order, "decoder_order",
+        )
+        probs = None
+        if fixed is None and self.decoder_order_predictor is not None:
+            logits = self.decoder_order_predictor(states, attention_mask)
+            probs = torch.softmax(logits, dim=-1)
+            index = logits.argmax(dim=-1)
+        else:
+            index = torch.full((states.shape[0],), fixed or 0, dtype=torch.long, device=states.device)
+        return IOTEncoderOutput(
+            last_hidden_state=states,
+            hidden_states=encoder_outputs.hidden_states,
+            attentions=encoder_outputs.attentions,
+            encoder_order_index=getattr(encoder_outputs, "encoder_order_index", None),
+            decoder_order_index=index,
+            decoder_order_probs=probs,
+        )
+
+    def _forward_all_paths(
+        self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, labels, num_items_in_batch
+    ) -> IOTSeq2SeqLMOutput:
+        """Training over every encoder×decoder order path (Eq. 1–3, 5–7).
+
+        The encoder runs once per encoder order. The decoder runs *once* for all M·N paths: the batch is repeated
+        path-major (row ``(n·M + m)·b + i`` is sentence i on encoder order m and decoder order n), so each decoder
+        order is a contiguous block of rows, and one ``PerRowSublayerOrder`` runs each sub-layer per stage for the
+        rows that need it.
+        """
+        config = self.config
+        if attention_mask is None:
+            attention_mask = input_ids.ne(config.pad_token_id).long()
+        batch = input_ids.shape[0]
+        num_enc, num_dec = config.num_encoder_orders, config.num_decoder_orders
+        tau_e, tau_d = self.gumbel_temperatures()
+        clamp = config.order_prob_clamp
+        encoder = self.get_encoder()
+        equal_weights = not config.uses_predictor
+
+        encoder_probs = None
+        if self.encoder_order_predictor is not None:
+            logits = self.encoder_order_predictor(encoder.embed_tokens(input_ids), attention_mask)
+            encoder_conf, encoder_probs = gumbel_softmax_confidences(logits, tau_e, clamp)
+        else:
+            encoder_conf = torch.ones(batch, num_enc, device=input_ids.device)
+
+        encoder_states = [
+            encoder(input_ids=input_ids, attention_mask=attention_mask, sublayer_order=order).last_hidden_state
+            for order in config.encoder_sublayer_orders
+        ]
+
+        decoder_probs = None
+        if self.decoder_order_predictor is not None:
+            confidences, probabilities = [], []
+            for states in encoder_states:
+                logits = self.decoder_order_predictor(states, attention_mask)
+                conf, prob = gumbel_softmax_confidences(logits, tau_d, clamp)
+                confidences.append(conf)
+                probabilities.append(prob)
+            decoder_conf = torch.stack(confidences, dim=1)  # [b, M, N]
+            decoder_probs = torch.stack(probabilities, dim=1)
+        else:
+            decoder_conf = torch.ones(batch, num_enc, num_dec, device=input_ids.device)
+
+        paths = num_enc * num_dec
+        stacked_states = torch.cat(encoder_states, dim=0) if num_enc > 1 else encoder_states[0]
+        if num_dec > 1:
+            stacked_states = stacked_states.repeat(num_dec, 1, 1)
+            order_index = torch.arange(num_dec, device=input_ids.device).repeat_interleave(num_enc * batch)
+            decoder_order = PerRowSublayerOrder(order_index, config.decoder_sublayer_orders)
+        else:
+            decoder_order = config.decoder_sublayer_orders[0]
+        decoder_outputs = self.get_decoder()(
+            input_ids=decoder_input_ids.repeat(paths, 1),
+            attention_mask=None if decoder_attention_mask is None else decoder_attention_mask.repeat(paths, 1),
+            encoder_hidden_states=stacked_states,
+            encoder_attention_mask=attention_mask.repeat(paths, 1),
+            sublayer_order=decoder_order,
+        )
+        logits = self.lm_head(decoder_outputs.last_hidden_state)  # [paths·b, t, V]
+        nll, smooth = sentence_label_smoothed_losses(logits, labels.repeat(paths, 1), config.label_smoothing)
+        # [paths·b] → [b, M, N]
+        nll = nll.view(num_dec, num_enc, batch).permute(2, 1, 0)
+        smooth = smooth.view(num_dec, num_enc, batch).permute(2, 1, 0)
+        epsilon = config.label_smoothing
+        eps_i = epsilon / (logits.shape[-1] - 1) if epsilon > 0 else 0.0
+        path_losses = (1.0 - epsilon - eps_i) * nll + eps_i * smooth
+        if config.weight_smoothing_loss or epsilon == 0:
+            weighted_sum = weighted_path_loss(path_losses, encoder_conf, decoder_conf)
+        else:  # the official code: confidences weight the NLL; the smoothing term of every path counts fully
+            weighted_sum = (1.0 - epsilon - eps_i) * weighted_path_loss(nll, encoder_conf, decoder_conf)
+            weighted_sum = weighted_sum + eps_i * smooth.sum()
+        local_tokens = labels.ne(-100).sum()
+        denominator = num_items_in_batch if num_items_in_batch is not None else local_tokens.clamp(min=1)
+        if isinstance(denominator, torch.Tensor):
+            denominator = denominator.to(weighted_sum.device)
+
+        diversity = weighted_sum.new_zeros(())
+        sharpness = weighted_sum.new_zeros(())
+        diversity_clamp = clamp if config.clamp_diversity_probs else None
+        for probs in (encoder_probs, decoder_probs):
+            if probs is not None:
+                flat = probs.reshape(-1, probs.shape[-1])
+                diversity = diversity + diversity_loss(flat, diversity_clamp)
+                sharpness = sharpness + sharpness_loss(flat, clamp)
+        # Eq. 7 per target token; the auxiliary terms count once per token of this batch (the official criterion
+        # multiplies them by the token count before normalising), which keeps gradient accumulation exact.
+        aux_scale = local_tokens.to(weighted_sum.dtype) / denominator
+        loss = iot_total_loss(
+            weighted_sum / denominator, diversity * aux_scale, sharpness * aux_scale,
+            config.diversity_loss_coef, config.sharpness_loss_coef,
+        )
+
+        # The chosen (argmax) path of each sentence, for the returned logits and the usage statistics.
+        if encoder_probs is not None:
+            encoder_choice = encoder_probs.argmax(dim=-1)
+        else:
+            encoder_choice = torch.zeros(batch, dtype=torch.long, device=input_ids.device)
+        if decoder_probs is not None:
+            decoder_choice_all = decoder_probs.argmax(dim=-1)  # [b, M]
+            decoder_choice = decoder_choice_all.gather(1, encoder_choice[:, None]).squeeze(1)
+        else:
+            decoder_choice_all = torch.zeros(batch, num_enc, dtype=torch.long, device=input_ids.device)
+            decoder_choice = decoder_choice_all[:, 0]
+        rows = (decoder_choice * num_enc + encoder_choice) * batch + torch.arange(batch, device=input_ids.device)
+        tokens_per_path = local_tokens.clamp(min=1).to(torch.float32)
+        path_token_losses = (path_losses.detach().sum(dim=0) / tokens_per_path)  # [M, N]
+        self._accumulate_order_statistics(
+            path_token_losses, encoder_probs, decoder_probs, encoder_choice, decoder_choice_all,
+            diversity.detach(), sharpness.detach(), tau_e, tau_d,
+        )
+        return IOTSeq2SeqLMOutput(
+            loss=loss,
+            logits=logits.index_select(0, rows),
+            encoder_last_hidden_state=encoder_states[0] if num_enc == 1 else torch.stack(encoder_states, 1)[
+                torch.arange(batch, device=input_ids.device), encoder_choice],
+            path_losses=path_token_losses,
+            encoder_order_probs=encoder_probs,
+            decoder_order_probs=decoder_probs,
+            encoder_confidences=encoder_conf,
+            decoder_confidences=decoder_conf,
+            diversity_loss=diversity.detach(),
+            sharpness_loss=sharpness.detach(),
+            encoder_order_index=encoder_choice,
+            decoder_order_index=decoder_choice,
+        )
+
+    # -- order statistics for the training logs ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _accumulate_order_statistics(
+        self, path_token_losses, encoder_probs, decoder_probs, encoder_choice, decoder_choice_all,
+        diversity, sharpness, tau_e, tau_d,
+    ) -> None:
+        stats = self._order_statistics
+        num_dec = self.config.num_decoder_orders
+        num_enc = self.config.num_encoder_orders
+
+        def add(name, value):
+            value = value.detach().float()
+            stats[name] = stats[name] + value if name in stats else value.clone()
+
+        add("steps", torch.ones(()))
+        add("path_loss", path_token_losses.float().cpu())
+        add("decoder_usage", F.one_hot(decoder_choice_all.reshape(-1), num_dec).sum(0).float().cpu())
+        add("encoder_usage", F.one_hot(encoder_choice, num_enc).sum(0).float().cpu())
+        if decoder_probs is not None:
+            add("decoder_prob", decoder_probs.reshape(-1, num_dec).mean(0).cpu())
+        if encoder_probs is not None:
+            add("encoder_prob", encoder_probs.mean(0).cpu())
+        add("diversity_loss", diversity.cpu())
+        add("sharpness_loss", sharpness.cpu())
+        stats["tau"] = torch.tensor([tau_e, tau_d])
+
+    def pop_order_statistics(self) -> dict[str, float]:
+        """Order statistics accumulated by training forwards since the last call, as flat ``iot/...`` floats:
+        share of sentences whose argmax decoder (encoder) order is each code, mean predictor probability per
+        code, per-token loss of each path, L_D, L_S and the temperatures. Resets the accumulators."""
+        stats, self._order_statistics = self._order_statistics, {}
+        if not stats:
+            return {}
+        steps = float(stats["steps"])
+        out: dict[str, float] = {}
+        for side, codes in (("decoder", self.config.decoder_orders), ("encoder", self.config.encoder_orders)):
+            usage = stats[f"{side}_usage"]
+            usage = usage / usage.sum().clamp(min=1)
+            for i, code in enumerate(codes):
+                if len(codes) > 1:
+                    out[f"iot/{side}_order_{code}_usage"] = float(usage[i])
+                if f"{side}_prob" in stats:
+                    out[f"iot/{side}_order_{code}_prob"] = float(stats[f"{side}_prob"][i] / steps)
+        path_loss = stats["path_loss"] / steps
+        for m, enc_code in enumerate(self.config.encoder_orders):
+            for n, dec_code in enumerate(self.config.decoder_orders):
+                name = f"iot/loss_dec{dec_code}" if len(self.config.encoder_orders) == 1 else (
+                    f"iot/loss_enc{enc_code}_dec{dec_code}")
+                out[name] = float(path_loss[m, n])
+        out["iot/diversity_loss"] = float(stats["diversity_loss"] / steps)
+        out["iot/sharpness_loss"] = float(stats["sharpness_loss"] / steps)
+        out["iot/tau_encoder"], out["iot/tau_decoder"] = (float(v) for v in stats["tau"])
+        return out
+
+    # -- generation --------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, inputs=None, generation_config=None, encoder_order=None, decoder_order=None, **kwargs):
+        """``GenerationMixin.generate`` with per-sentence orders (Eq. 4); every generation option works.
+
+        The encoder runs here once (each sentence with its order), the batch is sorted so sentences sharing a
+        decoder order are contiguous (the per-row sub-layer groups then are slices), decoding runs once for the
+        whole mixed batch, and the outputs are put back in input order. ``encoder_order`` / ``decoder_order``
+        (paper codes) force one order for all sentences. With ``return_dict_in_generate=True`` the output also
+        has ``encoder_order_codes`` / ``decoder_order_codes`` (one per input sentence); they are kept in
+        ``self.last_order_codes`` too.
+        """
+        input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+        kwargs.pop("labels", None)  # Seq2SeqTrainer passes the whole batch
+        if kwargs.get("encoder_outputs") is not None or input_ids is None:
+            return super().generate(input_ids, generation_config, **kwargs)
+        attention_mask = kwargs.pop("attention_mask", None)
+        if attention_mask is None:
+            attention_mask = input_ids.ne(self.config.pad_token_id).long()
+        encoder_outputs = self.encode_with_orders(
+            input_ids, attention_mask, encoder_order=encoder_order, decoder_order=decoder_order,
+            output_attentions=bool(kwargs.get("output_attentions", False)),
+            output_hidden_states=bool(kwargs.get("output_hidden_states", False)),
+        )
+        batch = input_ids.shape[0]
+        decoder_index = encoder_outputs.decoder_order_index
+        encoder_codes, decoder_codes = self.order_codes(encoder_outputs.encoder_order_index, decoder_index)
+        self.last_order_codes = {"encoder": encoder_codes, "decoder": decoder_codes}
+        order = torch.argsort(decoder_index, stable=True)
+        needs_sort = not bool(torch.equal(order, torch.arange(batch, device=order.device)))
+        if needs_sort:
+            input_ids = input_ids.index_select(0, order)
+            attention_mask = attention_mask.index_select(0, order)
+            for key in list(encoder_outputs.keys()):
+                encoder_outputs[key] = _reorder_rows(encoder_outputs[key], order, batch)
+            for key in ("decoder_input_ids", "decoder_attention_mask"):
+                if isinstance(kwargs.get(key), torch.Tensor) and kwargs[key].shape[0] == batch:
+                    kwargs[key] = kwargs[key].index_select(0, order)
+        try:
+            output = super().generate(
+                input_ids, generation_config, attention_mask=attention_mask, encoder_outputs=encoder_outputs, **kwargs
+            )
+        finally:
+            self._decoder_order_cache = None
+        # Positions of each input sentence in the sorted batch.
+        positions = torch.empty_like(order)
+        positions[order] = torch.arange(batch, device=order.device)
+        if isinstance(output, torch.Tensor):
+            return _reorder_rows(output, positions, batch) if needs_sort else output
+        fields = {key: value for key, value in output.items()}
+        if needs_sort:
+            beam_indices = fields.pop("beam_indices", None)
+            fields = {key: _reorder_rows(value, positions, batch) for key, value in fields.items()}
+            if beam_indices is not None:
+                resolved = generation_config if generation_config is not None else self.generation_config
+                per_sentence = int(kwargs.get("num_beams", resolved.num_beams) or 1)
+                beam_indices = _reorder_rows(beam_indices, positions, batch)
+                # entries are rows of the (sorted) expanded batch: map their sentence part back to input order
+                sentence, beam = beam_indices.div(per_sentence, rounding_mode="floor"), beam_indices % per_sentence
+                remapped = order[sentence.clamp(min=0)] * per_sentence + beam
+                fields["beam_indices"] = torch.where(beam_indices < 0, beam_indices, remapped)
+        output_class = (
+            IOTGenerateBeamEncoderDecoderOutput
+            if isinstance(output, GenerateBeamEncoderDecoderOutput)
+            else IOTGenerateEncoderDecoderOutput
+        )
+        return output_class(**fields, encoder_order_codes=encoder_codes, decoder_order_codes=decoder_codes)
+
+
+__all__ = [
+    "IOTConfig",
+    "IOTEncoderOutput",
+    "IOTForConditionalGeneration",
+    "IOTGenerateBeamEncoderDecoderOutput",
+    "IOTGenerateEncoderDecoderOutput",
+    "IOTModel",
+    "IOTOrderPredictor",
+    "IOTSeq2SeqLMOutput",
+    "clamp_order_probs",
+    "diversity_loss",
+    "gumbel_softmax_confidences",
+    "gumbel_temperature_at",
+    "iot_total_loss",
+    "order_predictor_logits",
+    "sentence_label_smoothed_losses",
+    "sharpness_loss",
+    "weighted_path_loss",
+]
