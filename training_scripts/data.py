@@ -84,7 +84,7 @@ def _cached(name: str, params: dict, files: list[Path], build, cache_dir: str | 
     corpus = build()
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
-    corpus.save_to_disk(str(staging))
+    corpus.save_to_disk(str(staging), num_shards={split: 1 for split in corpus})  # 1 shard: empty splits reload
     try:
         os.replace(staging, target)  # atomic: concurrent ranks either win or find the finished copy
     except OSError:
@@ -96,12 +96,18 @@ def _to_dataset_dict(rows: Iterable[dict], split_key, ratios) -> datasets.Datase
     buckets: dict[str, list[dict]] = {name: [] for name in SPLITS}
     for row in rows:
         buckets[split_of(split_key(row), ratios)].append(row)
-    features = datasets.Features(
-        {"source": datasets.Value("string"), "target": datasets.Value("string"), "origin": datasets.Value("string")}
-    )
-    return datasets.DatasetDict(
-        {name: datasets.Dataset.from_list(rows, features=features) for name, rows in buckets.items()}
-    )
+    return datasets.DatasetDict({name: _dataset(rows) for name, rows in buckets.items()})
+
+
+_FEATURES = datasets.Features(
+    {"source": datasets.Value("string"), "target": datasets.Value("string"), "origin": datasets.Value("string")}
+)
+
+
+def _dataset(rows: list[dict]) -> datasets.Dataset:
+    """A (possibly empty) dataset of source/target/origin rows."""
+    columns = {name: [row[name] for row in rows] for name in _FEATURES}
+    return datasets.Dataset.from_dict(columns, features=_FEATURES)
 
 
 def _collapse(text: str) -> str:
@@ -559,8 +565,7 @@ def load_parallel_files(
         splits = {"train": read(train_file)}
         splits["validation"] = read(validation_file) if validation_file else read(test_file)
         splits["test"] = read(test_file) if test_file else splits["validation"]
-        features = datasets.Features({k: datasets.Value("string") for k in ("source", "target", "origin")})
-        corpus = datasets.DatasetDict({k: datasets.Dataset.from_list(v, features=features) for k, v in splits.items()})
+        corpus = datasets.DatasetDict({k: _dataset(v) for k, v in splits.items()})
     report.log("parallel files")
     return corpus
 
@@ -594,7 +599,7 @@ def load_hub_corpus(
                 {"source": s, "target": t, "origin": f"{name}:{split}:{i}"}
                 for i, (s, t) in enumerate(zip(dataset[source_column], dataset[target_column]))
             ]
-        out[key] = datasets.Dataset.from_list(rows)
+        out[key] = _dataset(rows)
     if "train" not in out:
         raise ValueError(f"{name} has no train split (splits: {list(raw)})")
     if "validation" not in out:

@@ -229,8 +229,14 @@ def print_report(results, sources, references, hypotheses, num_samples, output_f
     print(f"hypotheses: {output_file}")
 
 
-def main(argv: list[str] | None = None) -> dict:
+def run_from_argv(argv: list[str] | None = None) -> dict:
+    """Parse ``argv`` (default: ``sys.argv[1:]``) and run; returns the results dict."""
     return run(*parse_arguments(argv))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point (returns None so ``sys.exit(main())`` exits with status 0)."""
+    run_from_argv(argv)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,8 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 #: Metrics ``flexformers-decode`` writes and how the card names them (others are shown under their key).
 METRIC_NAMES = {"bleu": "BLEU", "chrf": "chrF", "ter": "TER", "pov": "PoV (% of outputs that parse as Python)"}
+#: The sacrebleu signature field of ``eval_results.json`` for each metric (``<field>_signature``).
+SIGNATURE_FIELDS = {"bleu": "sacrebleu", "chrf": "chrf", "ter": "ter"}
 #: The pipeline's ``--task`` values as Hub task types (model-index) and human-readable names.
 TASK_TYPES = {"translation": "translation"}
 TASK_NAMES = {
@@ -237,26 +239,31 @@ def check_flat_remote_code(folder: str | os.PathLike, entry_files: Sequence[str]
     (its recursive ``from .X import``) must exist, and every absolute import it will require must be the
     standard library, torch or transformers. Raises :class:`ExportError` otherwise.
     """
-    from transformers.dynamic_module_utils import get_imports, get_relative_import_files
+    from transformers.dynamic_module_utils import get_imports, get_relative_imports
 
     folder = Path(folder)
     allowed = _allowed_top_level_modules()
     for entry in entry_files:
-        entry_path = folder / entry
-        if not entry_path.is_file():
-            raise ExportError(f"remote code entry file {entry} is missing from {folder}")
-        for dependency in [str(entry_path), *get_relative_import_files(str(entry_path))]:
-            if not Path(dependency).is_file():
+        pending, seen = [entry.removesuffix(".py")], set()
+        while pending:
+            name = pending.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            path = folder / f"{name}.py"
+            if not path.is_file():
                 raise ExportError(
-                    f"{entry}: Transformers' loader would copy {Path(dependency).name}, which is not in the folder "
-                    f"(a `from .X import` at the start of a line, possibly inside a docstring)"
+                    f"{entry}: Transformers' loader would copy {name}.py, which is not in the folder "
+                    f"(a `from .{name} import` at the start of a line, possibly inside a docstring)"
                 )
-            foreign = sorted(set(get_imports(dependency)) - allowed)
+            foreign = sorted(set(get_imports(str(path))) - allowed)
             if foreign:
                 raise ExportError(
-                    f"{Path(dependency).name}: Transformers' loader would require {foreign}, which a user with only "
+                    f"{path.name}: Transformers' loader would require {foreign}, which a user with only "
                     f"torch and transformers does not have"
                 )
+            # The same regular expressions Transformers uses to decide which files to copy.
+            pending.extend(get_relative_imports(str(path)))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -440,6 +447,14 @@ def read_training_summary(checkpoint: Path) -> dict[str, Any]:
         evaluations = [entry for entry in state.get("log_history", []) if "eval_loss" in entry]
         if evaluations:
             summary["final_eval_loss"] = evaluations[-1]["eval_loss"]
+    data_args_path = checkpoint / "flexformers_data_args.json"
+    if data_args_path.is_file():
+        from training_scripts.arguments import DataArguments, describe_dataset
+
+        try:
+            summary["training_data"] = describe_dataset(DataArguments.load(checkpoint))
+        except (ValueError, TypeError) as error:
+            raise ExportError(f"{data_args_path} does not describe a corpus: {error}") from error
     for name in ("train_results.json", "all_results.json"):
         path = checkpoint / name
         if path.is_file():
@@ -492,7 +507,7 @@ def build_card_data(
 
     results = []
     if eval_results is not None:
-        signature = eval_results.get("sacrebleu_signature")
+        signatures = {name: eval_results.get(f"{field}_signature") for name, field in SIGNATURE_FIELDS.items()}
         for key, value in eval_results["metrics"].items():
             results.append(
                 EvalResult(
@@ -504,8 +519,7 @@ def build_card_data(
                     metric_type=key,
                     metric_name=METRIC_NAMES.get(key, key),
                     metric_value=round(float(value), 4),
-                    # The decode command records one signature, that of its BLEU computation.
-                    metric_config=signature if key == "bleu" and signature else None,
+                    metric_config=signatures.get(key) or None,
                 )
             )
     return ModelCardData(
@@ -531,6 +545,7 @@ def render_model_card(
     training: dict[str, Any],
     num_parameters: int | None,
     auto_map: dict[str, str],
+    source_tokenizer_subfolder: str | None = None,
     language: Sequence[str] | None = None,
     license: str | None = None,
     datasets: Sequence[str] | None = None,
@@ -557,7 +572,7 @@ def render_model_card(
         language=language,
         license=license,
         model_type=model_type,
-        datasets=datasets or ([eval_results["dataset"]] if eval_results else None),
+        datasets=datasets,  # Hub dataset ids only; the pipeline's corpus names are not
     )
     default_generation = _default_generation_dict()
     content = environment.get_template(template_name).render(
@@ -573,11 +588,12 @@ def render_model_card(
             if key not in default_generation and key not in ("transformers_version", "_from_model_config")
         },
         eval=eval_results,
-        datasets=list(datasets or ([eval_results["dataset"]] if eval_results else [])),
+        datasets=list(datasets or []),
         metric_names=METRIC_NAMES,
         training=training,
         num_parameters=num_parameters,
         auto_map=auto_map,
+        source_tokenizer_subfolder=source_tokenizer_subfolder,
     )
     try:
         card = ModelCard(content, ignore_metadata_errors=False)
@@ -631,7 +647,7 @@ def parse_overrides(text: str | None) -> dict[str, Any]:
 
 def _load_checkpoint(checkpoint: Path, classes: RemoteClasses):
     """Load config, model (every weight accounted for) and tokenizer, turning every failure into a clear error."""
-    from transformers import AutoTokenizer
+    from training_scripts.tokenizer import load_tokenizers
 
     try:
         config = classes.config_class.from_pretrained(str(checkpoint))
@@ -649,10 +665,10 @@ def _load_checkpoint(checkpoint: Path, classes: RemoteClasses):
         raise ExportError(f"the weights in {checkpoint} do not match {classes.model_class.__name__}: {loading_info}")
     model.eval()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+        source_tokenizer, target_tokenizer = load_tokenizers(checkpoint)
     except Exception as error:
-        raise ExportError(f"{checkpoint} has no loadable tokenizer files (tokenizer.json, tokenizer_config.json): {error}") from error
-    return config, model, tokenizer
+        raise ExportError(f"{checkpoint} has no loadable tokenizer (tokenizer.json, tokenizer_config.json): {error}") from error
+    return config, model, source_tokenizer, target_tokenizer
 
 
 def _check_tokenizer_is_standard(folder: Path) -> None:
@@ -680,15 +696,22 @@ def build_generation_config(model, eval_results: dict[str, Any] | None, override
     if eval_results is not None:
         if eval_results.get("num_beams") is not None:
             updates["num_beams"] = eval_results["num_beams"]
-        # A length penalty only acts in beam search; Transformers refuses to save one next to greedy decoding.
-        if eval_results.get("length_penalty") is not None and updates.get("num_beams", generation_config.num_beams) > 1:
-            updates["length_penalty"] = eval_results["length_penalty"]
+        if eval_results.get("max_new_tokens") is not None:
+            updates["max_new_tokens"] = eval_results["max_new_tokens"]
+        # Length penalty and early stopping only act in beam search (flexformers-decode stops beams early, like
+        # fairseq); Transformers refuses to save either next to greedy decoding.
+        if updates.get("num_beams", generation_config.num_beams) > 1:
+            updates["early_stopping"] = True
+            if eval_results.get("length_penalty") is not None:
+                updates["length_penalty"] = eval_results["length_penalty"]
     updates.update(overrides)
     unused = generation_config.update(**updates)
     if unused:
         # Keys GenerationConfig does not declare are kept as attributes (methods' own decoding options).
         for key, value in unused.items():
             setattr(generation_config, key, value)
+    # A standalone generation config: Transformers must not re-derive it from config.json at generate() time.
+    generation_config._from_model_config = False
     try:
         generation_config.validate(strict=True)
     except Exception as error:
@@ -714,14 +737,17 @@ def export_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.PathLi
             f"{checkpoint} has no {EVAL_RESULTS_FILE}; run flexformers-decode on it first (the card reports its "
             f"evaluation), or pass --allow_missing_eval_results"
         )
-    config, model, tokenizer = _load_checkpoint(checkpoint, classes)
+    config, model, source_tokenizer, target_tokenizer = _load_checkpoint(checkpoint, classes)
     remote_code = collect_remote_code(classes.root_files())
     auto_map = classes.auto_map()
     generation_config = build_generation_config(model, eval_results, options.generation_overrides)
 
+    from training_scripts.tokenizer import SOURCE_TOKENIZER_SUBDIR, save_tokenizers
+
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.export-", dir=output_dir.parent))
     try:
+        staging.chmod(0o777 & ~_current_umask())  # mkdtemp creates 0700; the folder is meant to be shared
         model.generation_config = generation_config
         model.save_pretrained(str(staging), safe_serialization=True)
         config_path = staging / "config.json"
@@ -729,8 +755,10 @@ def export_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.PathLi
         saved_config["auto_map"] = auto_map
         config_path.write_text(json.dumps(saved_config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         generation_config.save_pretrained(str(staging))
-        tokenizer.save_pretrained(str(staging))
+        save_tokenizers(staging, source_tokenizer, target_tokenizer)
         _check_tokenizer_is_standard(staging)
+        if source_tokenizer is not target_tokenizer:
+            _check_tokenizer_is_standard(staging / SOURCE_TOKENIZER_SUBDIR)
         for name, source in remote_code.items():
             if (staging / name).exists():
                 raise ExportError(f"remote code file {name} clashes with a file the checkpoint writes")
@@ -744,6 +772,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.PathLi
             eval_results=eval_results,
             training=read_training_summary(checkpoint),
             num_parameters=model.num_parameters(),
+            source_tokenizer_subfolder=SOURCE_TOKENIZER_SUBDIR if source_tokenizer is not target_tokenizer else None,
             auto_map=auto_map,
             language=options.language,
             license=options.license,
@@ -756,6 +785,12 @@ def export_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.PathLi
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return output_dir
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _replace_directory(staging: Path, output_dir: Path) -> None:
@@ -802,7 +837,7 @@ def build_argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--private", action="store_true", help="create the Hub repository as private")
     parser.add_argument("--language", nargs="*", help="ISO codes of the languages, e.g. de en")
     parser.add_argument("--license", help="license identifier for the card, e.g. mit")
-    parser.add_argument("--dataset", nargs="*", dest="datasets", help="training dataset ids for the card")
+    parser.add_argument("--dataset", nargs="*", dest="datasets", help="Hub ids of the training datasets (card metadata)")
     parser.add_argument(
         "--generation_overrides",
         help="comma-separated key=value decoding settings written into generation_config.json",

@@ -280,8 +280,9 @@ def find_resume_checkpoint(training_args) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------------------------
-def run(spec, model_args, data_args, training_args, method_args) -> dict:
-    """Train / evaluate / predict as requested; returns the metrics of each phase."""
+def run(spec, model_args, data_args, training_args, method_args, extra_callbacks: list | None = None) -> dict:
+    """Train / evaluate / predict as requested; returns the metrics of each phase. ``extra_callbacks`` are
+    added to the method's callbacks (for programmatic use)."""
     logging.basicConfig(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO if training_args.should_log else logging.WARNING
     )
@@ -304,8 +305,6 @@ def run(spec, model_args, data_args, training_args, method_args) -> dict:
 
     config = build_config(spec, model_args, source_tokenizer, target_tokenizer, method_args)
     model = spec.make_model(model_args, method_args, config, target_tokenizer)
-    if getattr(model.generation_config, "max_length", None) in (None, 20):
-        model.generation_config.max_length = data_args.max_target_length
     logger.info("%s with %s parameters", type(model).__name__, f"{sum(p.numel() for p in model.parameters()):,}")
 
     with training_args.main_process_first(desc="tokenizing"):
@@ -314,7 +313,7 @@ def run(spec, model_args, data_args, training_args, method_args) -> dict:
     eval_dataset = _limit(tokenized["validation"], data_args.max_eval_samples)
     test_dataset = _limit(tokenized["test"], data_args.max_predict_samples)
 
-    callbacks = spec.make_callbacks(method_args)
+    callbacks = spec.make_callbacks(method_args) + list(extra_callbacks or [])
     callbacks.append(SaveSidecarFilesCallback(data_args, source_tokenizer if source_tokenizer is not target_tokenizer else None))
     if model_args.max_train_minutes:
         callbacks.append(MaxTimeCallback(model_args.max_train_minutes))
@@ -364,8 +363,14 @@ def run(spec, model_args, data_args, training_args, method_args) -> dict:
     return results
 
 
-def main(argv: list[str] | None = None) -> dict:
+def run_from_argv(argv: list[str] | None = None) -> dict:
+    """Parse ``argv`` (default: ``sys.argv[1:]``) and run; returns the results dict."""
     return run(*parse_arguments(argv))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point (returns None so ``sys.exit(main())`` exits with status 0)."""
+    run_from_argv(argv)
 
 
 if __name__ == "__main__":

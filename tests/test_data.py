@@ -1,0 +1,264 @@
+"""Pipeline corpora: code generation from Python sources, gettext translation, word order, user files."""
+
+import ast
+import struct
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from training_scripts.data import (
+    build_codegen_corpus,
+    build_gettext_corpus,
+    build_word_order_corpus,
+    escape_line,
+    extract_documented_functions,
+    has_words,
+    load_parallel_files,
+    read_mo_catalog,
+    read_parallel_file,
+    shuffle_words,
+    split_of,
+    unescape_line,
+)
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+REAL_PY_FILES = [STDLIB / "json" / "decoder.py", STDLIB / "json" / "encoder.py", STDLIB / "textwrap.py"]
+GERMAN_MO = Path("/usr/share/locale/de/LC_MESSAGES")
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXFORMERS_CACHE", str(tmp_path / "cache"))
+
+
+def write_mo(path: Path, messages: dict, charset: str = "UTF-8", header: bytes | None = None) -> Path:
+    """A GNU .mo file: keys are msgids (``"ctx\\x04id"`` for context, ``(singular, plural)`` for plurals)."""
+    if header is None:
+        header = f"Content-Type: text/plain; charset={charset}\nPlural-Forms: nplurals=2; plural=(n != 1);\n".encode()
+    entries = {b"": header}
+    for key, value in messages.items():
+        if isinstance(key, tuple):
+            entries[key[0].encode() + b"\0" + key[1].encode()] = b"\0".join(v.encode(charset) for v in value)
+        else:
+            entries[key.encode(charset)] = value.encode(charset)
+    keys = sorted(entries)
+    ids = b"".join(k + b"\0" for k in keys)
+    strs = b"".join(entries[k] + b"\0" for k in keys)
+    count = len(keys)
+    originals_offset = 28
+    translations_offset = originals_offset + 8 * count
+    ids_start = translations_offset + 8 * count
+    strs_start = ids_start + len(ids)
+    table_ids, table_strs = [], []
+    offset = 0
+    for key in keys:
+        table_ids += [len(key), ids_start + offset]
+        offset += len(key) + 1
+    offset = 0
+    for key in keys:
+        table_strs += [len(entries[key]), strs_start + offset]
+        offset += len(entries[key]) + 1
+    data = struct.pack("<7I", 0x950412DE, 0, count, originals_offset, translations_offset, 0, ids_start)
+    data += struct.pack(f"<{2 * count}I", *table_ids) + struct.pack(f"<{2 * count}I", *table_strs) + ids + strs
+    path.write_bytes(data)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------- split
+def test_split_is_a_pure_function_of_the_key_with_80_10_10_proportions():
+    keys = [f"example {i}" for i in range(20000)]
+    splits = [split_of(k) for k in keys]
+    assert splits == [split_of(k) for k in keys]
+    fractions = {name: splits.count(name) / len(keys) for name in ("train", "validation", "test")}
+    assert abs(fractions["train"] - 0.8) < 0.02 and abs(fractions["validation"] - 0.1) < 0.015
+    with pytest.raises(ValueError, match="ratios"):
+        split_of("x", (80, 10))
+
+
+# ---------------------------------------------------------------------------------------------------- codegen
+def test_codegen_pairs_from_real_stdlib_files(tmp_path):
+    corpus = build_codegen_corpus(REAL_PY_FILES, use_cache=False)
+    rows = [row for split in ("train", "validation", "test") for row in corpus[split]]
+    assert len(rows) > 15
+    by_origin = {row["origin"].split("/")[-1]: row for row in rows}
+    dedent = next(row for row in rows if row["target"].startswith("def dedent("))
+    assert dedent["source"].startswith("Remove any common leading whitespace from every line in `text`.")
+    assert '"""' not in dedent["target"] and "Remove any common" not in dedent["target"]
+    for row in rows:  # every target is standalone, parseable Python without its docstring
+        ast.parse(row["target"])
+        assert "\n" not in row["source"] and "  " not in row["source"]
+    assert all(":" in origin for origin in by_origin)
+
+
+def test_codegen_is_deterministic_and_splits_do_not_move_when_files_are_added(tmp_path):
+    small = build_codegen_corpus(REAL_PY_FILES[:1], use_cache=False)
+    again = build_codegen_corpus(REAL_PY_FILES[:1], use_cache=False)
+    large = build_codegen_corpus(REAL_PY_FILES, use_cache=False)
+    for split in ("train", "validation", "test"):
+        assert small[split]["target"] == again[split]["target"]
+        assert set(small[split]["target"]) <= set(large[split]["target"])
+
+
+def test_codegen_never_executes_code_and_counts_unparseable_files(tmp_path, caplog):
+    marker = tmp_path / "executed"
+    (tmp_path / "evil.py").write_text(
+        f"open({str(marker)!r}, 'w').write('x')\nraise SystemExit(3)\n\n"
+        "def add(a, b):\n    '''Add two numbers.'''\n    return a + b\n\n"
+        "def only_doc():\n    '''Nothing to generate.'''\n"
+    )
+    (tmp_path / "broken.py").write_text("def f(:\n    pass\n")
+    corpus = build_codegen_corpus([tmp_path], use_cache=False)
+    rows = [row for split in corpus.values() for row in split]
+    assert [(r["source"], r["target"]) for r in rows] == [("Add two numbers.", "def add(a, b):\n    return a + b")]
+    assert not marker.exists()
+    assert "unparseable file" in caplog.text
+    with pytest.raises(ValueError, match="broken.py: cannot parse"):
+        build_codegen_corpus([tmp_path], strict=True, use_cache=False)
+
+
+def test_codegen_dedup_length_cap_reverse_direction_and_summary(tmp_path):
+    body = "def f(x):\n    '''Double it.\n\n    Longer explanation here.'''\n    return 2 * x\n"
+    (tmp_path / "a.py").write_text(body + "\n\n" + body.replace("f(x)", "g(x)").replace("2 * x", "x" * 300))
+    (tmp_path / "b.py").write_text(body)  # exact duplicate of a.py's first function
+    corpus = build_codegen_corpus([tmp_path], use_cache=False, max_target_chars=100)
+    rows = [row for split in corpus.values() for row in split]
+    assert len(rows) == 1 and rows[0]["source"] == "Double it. Longer explanation here."
+    reverse = build_codegen_corpus([tmp_path], direction="code2doc", docstring="summary", use_cache=False, max_target_chars=100)
+    rows = [row for split in reverse.values() for row in split]
+    assert rows[0]["source"].startswith("def f(x):") and rows[0]["target"] == "Double it."
+    with pytest.raises(ValueError, match="direction"):
+        build_codegen_corpus([tmp_path], direction="sideways")
+    with pytest.raises(ValueError, match="does not exist"):
+        build_codegen_corpus([tmp_path / "missing"])
+
+
+def test_codegen_cache_roundtrip(tmp_path):
+    first = build_codegen_corpus(REAL_PY_FILES[:1], cache_dir=tmp_path / "c")
+    assert any((tmp_path / "c").iterdir())
+    second = build_codegen_corpus(REAL_PY_FILES[:1], cache_dir=tmp_path / "c")
+    assert first["train"]["target"] == second["train"]["target"]
+
+
+def test_extract_documented_functions_handles_async_and_methods():
+    source = b"class A:\n    async def run(self):\n        '''Run it.'''\n        await x()\n"
+    assert list(extract_documented_functions(Path("m.py"), source)) == [("Run it.", "async def run(self):\n    await x()", 2)]
+
+
+# ---------------------------------------------------------------------------------------------------- gettext
+def test_gettext_filters_plural_context_format_only_and_dedups(tmp_path):
+    mo = write_mo(
+        tmp_path / "app.mo",
+        {
+            "Open file": "Datei öffnen",
+            "menu\x04Quit": "Beenden",
+            ("%d file", "%d files"): ["%d Datei", "%d Dateien"],
+            "%s: %s": "%s: %s",
+            "  Save\n  as ": "Speichern unter",
+            "Untranslated": "",
+        },
+    )
+    copy = write_mo(tmp_path / "other.mo", {"Open file": "Datei öffnen"})
+    corpus = build_gettext_corpus(catalog_files=[mo, copy], use_cache=False)
+    pairs = sorted((r["source"], r["target"]) for split in corpus.values() for r in split)
+    assert pairs == sorted(
+        [("Open file", "Datei öffnen"), ("Quit", "Beenden"), ("%d file", "%d Datei"), ("Save as", "Speichern unter")]
+    )
+    assert has_words("%(name)s files") and not has_words("%s: %-5d {0} <b>%%</b>")
+
+
+def test_gettext_bad_catalogs_are_named_or_counted(tmp_path):
+    good = write_mo(tmp_path / "good.mo", {"Hello": "Hallo"})
+    latin = write_mo(tmp_path / "latin.mo", {"Yes": "Jä"}, header="Last-Translator: B\xe4r\n".encode("latin-1"))
+    corrupt = tmp_path / "corrupt.mo"
+    corrupt.write_bytes(b"not a catalog at all")
+    with pytest.raises(ValueError, match="latin.mo: gettext catalog is not valid UTF-8"):
+        list(read_mo_catalog(latin))
+    with pytest.raises(ValueError, match="corrupt.mo: not a readable gettext"):
+        list(read_mo_catalog(corrupt))
+    corpus = build_gettext_corpus(catalog_files=[good, latin, corrupt], use_cache=False)
+    assert sum(len(split) for split in corpus.values()) == 1
+    with pytest.raises(ValueError, match="latin.mo"):
+        build_gettext_corpus(catalog_files=[good, latin], strict=True, use_cache=False)
+    with pytest.raises(ValueError, match="No gettext catalogs for language 'xx'"):
+        build_gettext_corpus("xx", locale_dir=tmp_path)
+
+
+@pytest.mark.skipif(not GERMAN_MO.is_dir(), reason="no German gettext catalogs on this machine")
+def test_gettext_on_one_real_catalog():
+    catalog = max(GERMAN_MO.glob("*.mo"), key=lambda p: p.stat().st_size if p.stat().st_size < 200_000 else 0)
+    corpus = build_gettext_corpus(catalog_files=[catalog], use_cache=False)
+    rows = [r for split in corpus.values() for r in split]
+    assert len(rows) > 10
+    assert all(r["source"] and r["target"] and "\n" not in r["source"] for r in rows)
+    assert sum(r["source"] != r["target"] for r in rows) > 0.5 * len(rows)
+
+
+# ---------------------------------------------------------------------------------------------------- word order
+def test_word_order_recovery_pairs():
+    sentence = "Return the list of all files in the directory."
+    shuffled = shuffle_words(sentence)
+    assert shuffled == shuffle_words(sentence) and shuffled != sentence
+    assert sorted(shuffled.split()) == sorted(sentence.split())
+    corpus = build_word_order_corpus("codegen", base_kwargs={"source_dirs": REAL_PY_FILES, "use_cache": False})
+    rows = [r for split in corpus.values() for r in split]
+    assert len(rows) > 10
+    for row in rows:
+        assert sorted(row["source"].split()) == sorted(row["target"].split())
+        assert 4 <= len(row["target"].split()) <= 30
+    assert len({r["target"] for r in rows}) == len(rows)
+    with pytest.raises(ValueError, match="base corpus"):
+        build_word_order_corpus("poetry")
+
+
+# ---------------------------------------------------------------------------------------------------- user files
+def test_user_files_tsv_csv_jsonl(tmp_path):
+    (tmp_path / "d.tsv").write_text("source\ttarget\nHello\tHallo\nGood day\tGuten Tag\n")
+    (tmp_path / "plain.tsv").write_text("Hello\tHallo\n")
+    (tmp_path / "d.csv").write_text('en,de\n"Hello, you",Hallo du\n')
+    (tmp_path / "d.jsonl").write_text('{"en": "Yes", "de": "Ja"}\n\n{"en": "No", "de": "Nein"}\n')
+    assert [(r["source"], r["target"]) for r in read_parallel_file(tmp_path / "d.tsv")] == [("Hello", "Hallo"), ("Good day", "Guten Tag")]
+    assert read_parallel_file(tmp_path / "plain.tsv", "0", "1")[0]["target"] == "Hallo"
+    assert read_parallel_file(tmp_path / "d.csv", "en", "de")[0]["source"] == "Hello, you"
+    assert [r["origin"] for r in read_parallel_file(tmp_path / "d.jsonl", "en", "de")] == ["d.jsonl:1", "d.jsonl:3"]
+    corpus = load_parallel_files(tmp_path / "d.tsv", validation_file=tmp_path / "d.tsv")
+    assert len(corpus["validation"]) == 2 and corpus["test"]["source"] == corpus["validation"]["source"]
+
+
+@pytest.mark.parametrize(
+    "name, content, columns, message",
+    [
+        ("empty.tsv", b"", ("source", "target"), "empty.tsv: file is empty"),
+        ("blank.jsonl", b"\n  \n", ("source", "target"), "blank.jsonl: file is empty"),
+        ("nocol.tsv", b"src\ttgt\na\tb\n", ("source", "target"), r"nocol.tsv, line 1: header has no column"),
+        ("short.tsv", b"source\ttarget\nonly one field\n", ("source", "target"), r"short.tsv, line 2: missing column"),
+        ("latin.tsv", b"source\ttarget\nok\tgut\nB\xe4r\tbear\n", ("source", "target"), r"latin.tsv, line 3: not valid UTF-8"),
+        ("bad.jsonl", b'{"source": "a", "target": "b"}\n{"source": "a",\n', ("source", "target"), r"bad.jsonl, line 2: malformed JSON"),
+        ("list.jsonl", b"[1, 2]\n", ("source", "target"), r"list.jsonl, line 1: expected a JSON object"),
+        ("key.jsonl", b'{"source": "a"}\n', ("source", "target"), r"key.jsonl, line 1: missing column"),
+        ("num.jsonl", b'{"source": "a", "target": 3}\n', ("source", "target"), r"num.jsonl, line 1: non-string"),
+        ("hole.csv", b"source,target\na,\n", ("source", "target"), r"hole.csv, line 2: empty target"),
+        ("quote.csv", b'source,target\n"a"x,b\n', ("source", "target"), r"quote.csv, line 2: malformed CSV"),
+        ("data.xml", b"<a/>", ("source", "target"), "cannot tell the format"),
+    ],
+)
+def test_user_file_errors_name_file_and_line(tmp_path, name, content, columns, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        read_parallel_file(path, *columns)
+
+
+def test_user_file_bad_lines_can_be_skipped_and_counted(tmp_path, caplog):
+    path = tmp_path / "mixed.tsv"
+    path.write_bytes(b"source\ttarget\nok\tgut\nB\xe4r\tbear\nlonely\n\tempty source\nfine\tfein\n")
+    corpus = load_parallel_files(path, validation_file=path, skip_bad_lines=True)
+    assert [r["source"] for r in corpus["train"]] == ["ok", "fine"]
+    assert "skipped" in caplog.text and "not valid UTF-8" in caplog.text
+    with pytest.raises(ValueError, match="file not found"):
+        read_parallel_file(tmp_path / "absent.tsv")
+
+
+def test_escape_line_roundtrip():
+    text = "def f():\n\treturn '\\\\n'\r"
+    assert "\n" not in escape_line(text) and unescape_line(escape_line(text)) == text
