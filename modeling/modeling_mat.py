@@ -208,9 +208,10 @@ class MATFeedForward(FlexformerFeedForward):
         return _merge_weights(self, device, dtype)
 
 
-def _is_flexformer_baseline(config) -> bool:
-    return getattr(config, "model_type", None) == "flexformer" and all(
-        getattr(config, name, 1) == 1 for name in MAT_BRANCH_FIELDS
+def _is_flexformer_baseline(config_values: dict) -> bool:
+    """Whether a config (as a dict) describes the single-branch flexformer baseline."""
+    return config_values.get("model_type") == "flexformer" and all(
+        config_values.get(name, 1) == 1 for name in MAT_BRANCH_FIELDS
     )
 
 
@@ -276,7 +277,9 @@ class MATForConditionalGeneration(FlexformerForConditionalGeneration):
 def _load_flexformer_baseline(baseline) -> FlexformerForConditionalGeneration:
     """The baseline model of a proximal initialisation, with a clear error for anything else."""
     if isinstance(baseline, nn.Module):
-        if not isinstance(baseline, FlexformerForConditionalGeneration) or not _is_flexformer_baseline(baseline.config):
+        if not isinstance(baseline, FlexformerForConditionalGeneration) or not _is_flexformer_baseline(
+            baseline.config.to_dict()
+        ):
             raise ValueError(
                 f"from_baseline needs a single-branch flexformer baseline (model type 'flexformer'), got "
                 f"{type(baseline).__name__} with model type {getattr(baseline.config, 'model_type', None)!r}"
@@ -291,7 +294,7 @@ def _load_flexformer_baseline(baseline) -> FlexformerForConditionalGeneration:
             config_dict = json.load(handle)
     except json.JSONDecodeError as error:
         raise ValueError(f"Baseline checkpoint {config_path!r} is not valid JSON: {error}") from error
-    if not _is_flexformer_baseline(_DictView(config_dict)):
+    if not _is_flexformer_baseline(config_dict):
         raise ValueError(
             f"{path!r} is not a flexformer baseline checkpoint: its config.json has model_type "
             f"{config_dict.get('model_type')!r}"
@@ -299,11 +302,6 @@ def _load_flexformer_baseline(baseline) -> FlexformerForConditionalGeneration:
             + "; proximal initialisation needs a directory saved by FlexformerForConditionalGeneration"
         )
     return FlexformerForConditionalGeneration.from_pretrained(path)
-
-
-class _DictView:
-    def __init__(self, mapping: dict):
-        self.__dict__.update(mapping)
 
 
 # ---------------------------------------------------------------------------------------------------------------
