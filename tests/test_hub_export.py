@@ -1,0 +1,731 @@
+"""Hub export (``training_scripts/export_to_hub.py``, ``hub_cards/``).
+
+* Flattening the remote code, on synthetic package trees (what is followed, what is rewritten, what is refused).
+* Card templates: every method's card renders and validates with ``ModelCard.load(..., ignore_metadata_errors=False)``.
+* Export of a real (tiny) checkpoint: the folder's contents, and clear failures that leave nothing behind.
+* Acceptance (slow): for every model type, train with ``flexformers-train``, evaluate with ``flexformers-decode``,
+  export, then load and generate in a fresh virtual environment holding only torch, transformers, tokenizers and
+  safetensors (flexformers neither installed nor importable, Hub offline) and compare token ids exactly with the
+  project's own model.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from training_scripts import export_to_hub
+from training_scripts.export_to_hub import (
+    ExportError,
+    ExportOptions,
+    check_flat_remote_code,
+    collect_remote_code,
+    export_checkpoint,
+    render_model_card,
+)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CARD_TYPES = ("flexformer", "iot", "mat", "indigo", "depth_adaptive")
+
+EVAL_RESULTS = {
+    "task": "translation",
+    "dataset": "gettext-en-de",
+    "split": "test",
+    "num_examples": 10,
+    "metrics": {"bleu": 12.34, "chrf": 40.5, "ter": 80.25},
+    "sacrebleu_signature": "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0",
+    "chrf_signature": "nrefs:1|case:mixed|eff:yes|nc:6|nw:0|space:no|version:2.6.0",
+    "ter_signature": "nrefs:1|case:lc|tok:tercom|norm:no|punct:yes|asian:no|version:2.6.0",
+    "num_beams": 3,
+    "length_penalty": 1.2,
+    "max_new_tokens": 12,
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Model types present in this checkout (discovered, never listed by hand)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def discovered_model_types() -> list[str]:
+    """Every model type with a method module or a modeling file: a modeling file without a method module (or
+    the reverse) is a failure of that type's tests, not a silent skip."""
+    from training_scripts.model_registry import available_model_types
+
+    from_files = {path.stem[len("modeling_"):] for path in (REPO_ROOT / "modeling").glob("modeling_*.py")}
+    return sorted(set(available_model_types()) | from_files)
+
+
+MODEL_TYPES = discovered_model_types()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Flattening on synthetic package trees
+# ---------------------------------------------------------------------------------------------------------
+
+
+def write_tree(root: Path, files: dict[str, str]) -> Path:
+    for relative, text in files.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return root
+
+
+GOOD_TREE = {
+    "configuration/__init__.py": "from .configuration_base import BaseConfig\n",
+    "configuration/configuration_base.py": """\
+        from __future__ import annotations
+
+        import math
+
+
+        class BaseConfig:
+            scale = math.sqrt(4)
+    """,
+    "configuration/configuration_child.py": """\
+        from .configuration_base import BaseConfig
+
+
+        class ChildConfig(BaseConfig):
+            name = "child"
+    """,
+    "modeling/__init__.py": "import sys  # the package init registers things; never copied\n",
+    "modeling/modeling_base.py": """\
+        import collections
+        from configuration.configuration_base import BaseConfig
+
+
+        class BaseModel:
+            config_class = BaseConfig
+    """,
+    "modeling/modeling_child.py": """\
+        \"\"\"Docstring mentioning configuration.configuration_child in prose stays as it is.\"\"\"
+        from configuration.configuration_child import (  # the config, rewritten
+            ChildConfig,
+        )
+
+        from .modeling_base import BaseModel
+
+
+        class ChildModel(BaseModel):
+            config_class = ChildConfig
+
+
+        def lazy_config():
+            from configuration . configuration_base import BaseConfig as Base  # odd spacing is legal Python
+            return Base
+    """,
+    "modeling/modeling_unused.py": "import numpy\n",
+}
+
+
+def test_flatten_follows_imports_and_rewrites_only_project_absolute_ones(tmp_path):
+    root = write_tree(tmp_path / "src", GOOD_TREE)
+    files = collect_remote_code([root / "modeling/modeling_child.py", root / "configuration/configuration_child.py"])
+
+    assert sorted(files) == ["configuration_base.py", "configuration_child.py", "modeling_base.py", "modeling_child.py"]
+    child = files["modeling_child.py"]
+    assert "from .configuration_child import (  # the config, rewritten\n    ChildConfig,\n)" in child
+    assert "    from .configuration_base import BaseConfig as Base  # odd spacing is legal Python" in child
+    assert "from .modeling_base import BaseModel" in child
+    assert "Docstring mentioning configuration.configuration_child in prose" in child
+    assert files["modeling_base.py"] == (root / "modeling/modeling_base.py").read_text().replace(
+        "from configuration.configuration_base", "from .configuration_base"
+    )
+    # Files that needed no rewrite are copied byte for byte.
+    assert files["configuration_child.py"] == (root / "configuration/configuration_child.py").read_text()
+    for text in files.values():
+        assert not re.search(r"^\s*from\s+(configuration|modeling)\b", text, flags=re.MULTILINE)
+
+
+def test_flattened_tree_imports_as_one_package_without_the_project_packages(tmp_path):
+    root = write_tree(tmp_path / "src", GOOD_TREE)
+    files = collect_remote_code([root / "modeling/modeling_child.py"])
+    package = tmp_path / "elsewhere" / "flat_remote"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    for name, text in files.items():
+        (package / name).write_text(text)
+    check_flat_remote_code(package, ["modeling_child.py"])
+    script = (
+        "import importlib.util, sys\n"
+        "assert importlib.util.find_spec('configuration') is None\n"
+        "from flat_remote.modeling_child import ChildModel, lazy_config\n"
+        "assert ChildModel.config_class.name == 'child' and lazy_config().scale == 2.0\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run(
+        # -S: no site-packages, where this checkout is installed (editable) and `configuration` would import.
+        [sys.executable, "-I", "-S", "-c", f"import sys; sys.path.insert(0, {str(package.parent)!r})\n{script}"],
+        cwd=tmp_path / "elsewhere", capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize(
+    "statement, message",
+    [
+        ("import numpy", r"modeling_child.py:1: .*found `import numpy`"),
+        ("from training_scripts.data import load_corpus", r"found `from training_scripts.data import \.\.\.`"),
+        ("import configuration.configuration_base", r"`import configuration.configuration_base` cannot be flattened"),
+        ("from configuration import configuration_base", r"`from configuration import \.\.\.` cannot be flattened"),
+        ("from . import modeling_base", r"`from \. import modeling_base` is not followed"),
+        ("from ..configuration import configuration_base", r"reaches outside its package"),
+        ("from .missing_module import Thing", r"missing_module.py does not exist"),
+        ("from configuration.configuration_missing import Thing", r"configuration_missing.py does not exist"),
+        ("from .sub.module import Thing", r"sub-package"),
+        ("def f():\n    import pandas", r"modeling_child.py:2: .*`import pandas`"),
+        ("try:\n    import numpy\nexcept ImportError:\n    numpy = None", r"`import numpy`"),
+    ],
+)
+def test_flatten_refuses_imports_the_user_side_cannot_satisfy(tmp_path, statement, message):
+    root = write_tree(tmp_path / "src", {**GOOD_TREE, "modeling/modeling_child.py": statement + "\n"})
+    with pytest.raises(ExportError, match=message):
+        collect_remote_code([root / "modeling/modeling_child.py"])
+
+
+def test_flatten_refuses_duplicate_file_names_across_packages(tmp_path):
+    root = write_tree(
+        tmp_path / "src",
+        {
+            "configuration/common.py": "X = 1\n",
+            "configuration/configuration_a.py": "from .common import X\n",
+            "modeling/common.py": "Y = 2\n",
+            "modeling/modeling_a.py": "from configuration.configuration_a import X\nfrom .common import Y\n",
+        },
+    )
+    with pytest.raises(ExportError, match="file names must be unique"):
+        collect_remote_code([root / "modeling/modeling_a.py"])
+
+
+def test_flatten_refuses_a_root_file_outside_the_packages(tmp_path):
+    root = write_tree(tmp_path / "src", {**GOOD_TREE, "tools/helper.py": "X = 1\n"})
+    with pytest.raises(ExportError, match="not in one of the packages"):
+        collect_remote_code([root / "tools/helper.py"], source_root=root)
+
+
+def test_flat_folder_check_catches_what_transformers_would_copy(tmp_path):
+    folder = write_tree(
+        tmp_path / "flat",
+        {"modeling_x.py": 'DOC = """\nfrom .not_here import Thing\n"""\n'},
+    )
+    with pytest.raises(ExportError, match="not_here.py, which is not in the folder"):
+        check_flat_remote_code(folder, ["modeling_x.py"])
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_project_remote_code_of_every_model_type_is_flat(tmp_path, model_type):
+    classes = export_to_hub.resolve_model_type(model_type)
+    files = collect_remote_code(classes.root_files())
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    entries = sorted({entry.split(".")[0] + ".py" for entry in classes.auto_map().values()})
+    check_flat_remote_code(tmp_path, entries)
+    assert "modeling_flexformer.py" in files and "configuration_flexformer.py" in files
+    assert (REPO_ROOT / "hub_cards" / f"{model_type}.md").is_file(), f"no card template for {model_type}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Cards
+# ---------------------------------------------------------------------------------------------------------
+
+
+def render(model_type, eval_results=EVAL_RESULTS, **overrides):
+    kwargs = dict(
+        model_type=model_type,
+        model_id=f"someone/{model_type}-tiny",
+        config={"encoder_layers": 2, "decoder_layers": 2, "encoder_embed_dim": 32, "dropout": 0.1},
+        generation_config={"num_beams": 3, "length_penalty": 1.2, "decoder_start_token_id": 2, "exit_threshold": 0.9},
+        eval_results=eval_results,
+        training={"global_step": 30, "final_train_loss": 3.8, "training_data": "gettext-en-de"},
+        num_parameters=123456,
+        auto_map={"AutoModelForSeq2SeqLM": f"modeling_{model_type}.X"},
+        language=["en", "de"],
+        license="apache-2.0",
+    )
+    kwargs.update(overrides)
+    return render_model_card(**kwargs)
+
+
+@pytest.mark.parametrize("model_type", CARD_TYPES)
+def test_every_card_renders_and_validates_with_a_model_index(tmp_path, model_type):
+    from huggingface_hub import ModelCard
+
+    path = tmp_path / "README.md"
+    path.write_text(render(model_type))
+    card = ModelCard.load(path, ignore_metadata_errors=False)
+
+    assert card.data.model_name == f"{model_type}-tiny"
+    scores = {result.metric_type: result.metric_value for result in card.data.eval_results}
+    assert scores == EVAL_RESULTS["metrics"]
+    bleu = next(result for result in card.data.eval_results if result.metric_type == "bleu")
+    assert bleu.metric_config == EVAL_RESULTS["sacrebleu_signature"]
+    assert bleu.dataset_split == "test" and bleu.task_type == "translation"
+    assert "flexformers" in card.data.tags and model_type in card.data.tags
+    text = card.text
+    assert re.search(r"```bibtex\n@\w+\{\w+,\n  title\s+= \{", text), "citation as BibTeX"
+    assert 'AutoModelForSeq2SeqLM.from_pretrained("someone/' in text and "trust_remote_code=True" in text
+    assert "| `num_beams` | `3` |" in text
+    assert "## Limitations" in text and "Training data: `gettext-en-de`" in text
+    assert not re.search(r"\{\{ |\{%", text), "unrendered template syntax"
+
+
+def test_card_without_evaluation_has_no_model_index(tmp_path):
+    from huggingface_hub import ModelCard
+
+    path = tmp_path / "README.md"
+    path.write_text(render("flexformer", eval_results=None))
+    card = ModelCard.load(path, ignore_metadata_errors=False)
+    assert card.data.eval_results is None
+    assert "model-index" not in path.read_text()
+    assert "exported without an evaluation" in card.text
+
+
+def test_code_generation_card_reports_pov_under_a_generic_task():
+    from huggingface_hub import ModelCard
+
+    results = {**EVAL_RESULTS, "task": "codegen", "dataset": "python-stdlib-docstring-to-code"}
+    results["metrics"] = {**EVAL_RESULTS["metrics"], "pov": 91.0}
+    card = ModelCard(render("flexformer", eval_results=results), ignore_metadata_errors=False)
+    pov = next(result for result in card.data.eval_results if result.metric_type == "pov")
+    assert pov.metric_value == 91.0 and pov.task_type == "text2text-generation"
+
+
+def test_unknown_model_type_has_no_card():
+    with pytest.raises(ExportError, match="no model card template"):
+        render("not_a_method")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"metrics": {"bleu": "high"}}, "metric 'bleu' must be a finite number"),
+        ({"metrics": {}}, "'metrics' must be a non-empty object"),
+        ({"split": ""}, "'split' must be a non-empty string"),
+        ({"num_beams": 0}, "'num_beams' must be a positive integer"),
+    ],
+)
+def test_bad_eval_results_are_refused_by_name(tmp_path, change, message):
+    (tmp_path / "eval_results.json").write_text(json.dumps({**EVAL_RESULTS, **change}))
+    with pytest.raises(ExportError, match=message):
+        export_to_hub.read_eval_results(tmp_path)
+
+
+def test_eval_results_missing_a_field(tmp_path):
+    results = dict(EVAL_RESULTS)
+    del results["dataset"]
+    (tmp_path / "eval_results.json").write_text(json.dumps(results))
+    with pytest.raises(ExportError, match="lacks the field 'dataset'"):
+        export_to_hub.read_eval_results(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Export of a real checkpoint (baseline, untrained: fast)
+# ---------------------------------------------------------------------------------------------------------
+
+TINY_TEXTS = [
+    "the cat sees a dog", "der hund sieht eine katze", "a big red house", "ein grosses rotes haus",
+    "small blue tree", "kleiner blauer baum", "the dog runs and jumps", "der hund rennt und springt",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    from training_scripts.tokenizer import train_bpe_tokenizer
+
+    return train_bpe_tokenizer(TINY_TEXTS * 4, vocab_size=280, min_frequency=1)
+
+
+@pytest.fixture
+def baseline_checkpoint(tmp_path, tiny_tokenizer):
+    from configuration.configuration_flexformer import FlexformerConfig
+    from modeling.modeling_flexformer import FlexformerForConditionalGeneration
+    from tests.conftest import tiny_config_kwargs
+
+    torch.manual_seed(0)
+    config = FlexformerConfig(**tiny_config_kwargs(vocab_size=len(tiny_tokenizer)))
+    model = FlexformerForConditionalGeneration(config)
+    checkpoint = tmp_path / "checkpoint"
+    model.save_pretrained(str(checkpoint))
+    tiny_tokenizer.save_pretrained(str(checkpoint))
+    (checkpoint / "eval_results.json").write_text(json.dumps(EVAL_RESULTS))
+    return checkpoint
+
+
+def leftovers(parent: Path) -> list[str]:
+    return sorted(path.name for path in parent.iterdir() if ".export-" in path.name or ".old-" in path.name)
+
+
+def test_export_writes_a_complete_hub_folder(tmp_path, baseline_checkpoint):
+    from huggingface_hub import ModelCard
+
+    from modeling.modeling_flexformer import FlexformerForConditionalGeneration
+
+    out = export_checkpoint(baseline_checkpoint, tmp_path / "hub", ExportOptions(hub_model_id="someone/tiny"))
+
+    names = sorted(path.name for path in out.iterdir())
+    assert names == [
+        "README.md", "config.json", "configuration_flexformer.py", "generation_config.json", "model.safetensors",
+        "modeling_flexformer.py", "tokenizer.json", "tokenizer_config.json",
+    ]
+    config = json.loads((out / "config.json").read_text())
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_flexformer.FlexformerConfig",
+        "AutoModel": "modeling_flexformer.FlexformerModel",
+        "AutoModelForSeq2SeqLM": "modeling_flexformer.FlexformerForConditionalGeneration",
+    }
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert (generation["num_beams"], generation["length_penalty"], generation["max_new_tokens"]) == (3, 1.2, 12)
+    assert generation["early_stopping"] is True and generation["decoder_start_token_id"] == 2
+    assert "from .configuration_flexformer import FlexformerConfig" in (out / "modeling_flexformer.py").read_text()
+    card = ModelCard.load(out / "README.md", ignore_metadata_errors=False)
+    assert card.data.model_name == "tiny"
+    assert {r.metric_type: r.metric_value for r in card.data.eval_results} == EVAL_RESULTS["metrics"]
+
+    original = FlexformerForConditionalGeneration.from_pretrained(str(baseline_checkpoint)).state_dict()
+    exported = FlexformerForConditionalGeneration.from_pretrained(str(out)).state_dict()
+    assert original.keys() == exported.keys()
+    assert all(torch.equal(original[key], exported[key]) for key in original)
+    assert leftovers(tmp_path) == []
+
+
+def test_export_overwrite_replaces_and_refuses_without_flag(tmp_path, baseline_checkpoint):
+    out = tmp_path / "hub"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    with pytest.raises(ExportError, match="already exists; pass --overwrite"):
+        export_checkpoint(baseline_checkpoint, out)
+    assert (out / "stale.txt").exists()
+    export_checkpoint(baseline_checkpoint, out, ExportOptions(overwrite=True))
+    assert not (out / "stale.txt").exists() and (out / "model.safetensors").is_file()
+    assert leftovers(tmp_path) == []
+
+
+def _truncate_weights(checkpoint: Path):
+    path = checkpoint / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 1000])
+
+
+def _rewrite_config(checkpoint: Path, **changes):
+    config = json.loads((checkpoint / "config.json").read_text())
+    config.update(changes)
+    (checkpoint / "config.json").write_text(json.dumps(config))
+
+
+CORRUPTIONS = {
+    "empty directory": (lambda c: [p.unlink() for p in c.iterdir()], "is not a flexformers checkpoint: it has no config.json"),
+    "config not JSON": (lambda c: (c / "config.json").write_text('{"model_type": "flexformer",\n  oops}'), r"config.json is not valid JSON \(line 2"),
+    "foreign model type": (lambda c: _rewrite_config(c, model_type="bart"), "model_type 'bart' is not a flexformers model type"),
+    "no model type": (lambda c: (c / "config.json").write_text("{}"), "has no 'model_type'"),
+    "invalid field": (lambda c: _rewrite_config(c, encoder_layers=0), "is not a valid FlexformerConfig.*encoder_layers"),
+    "mismatched shape": (lambda c: _rewrite_config(c, encoder_ffn_embed_dim=48), "do not match|cannot load the weights"),
+    "truncated weights": (_truncate_weights, "model.safetensors is (corrupt or truncated|truncated)"),
+    "no weights": (lambda c: (c / "model.safetensors").unlink(), "has no model.safetensors"),
+    "garbage weights": (lambda c: (c / "model.safetensors").write_bytes(b"\x00" * 100), "corrupt or truncated"),
+    "no tokenizer": (lambda c: (c / "tokenizer.json").unlink(), "has no loadable tokenizer"),
+    "no eval results": (lambda c: (c / "eval_results.json").unlink(), "has no eval_results.json; run flexformers-decode"),
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+def test_bad_checkpoints_fail_clearly_and_write_nothing(tmp_path, baseline_checkpoint, corruption, capsys):
+    corrupt, message = CORRUPTIONS[corruption]
+    corrupt(baseline_checkpoint)
+    out = tmp_path / "exports" / "hub"
+    with pytest.raises(ExportError, match=message):
+        export_checkpoint(baseline_checkpoint, out)
+    assert not out.exists()
+    assert not (tmp_path / "exports").exists() or leftovers(tmp_path / "exports") == []
+
+    # The command line reports the same message on stderr with exit status 1.
+    assert export_to_hub.main([str(baseline_checkpoint), str(out)]) == 1
+    assert re.search(message, capsys.readouterr().err)
+    assert not out.exists()
+
+
+def test_missing_eval_results_can_be_allowed(tmp_path, baseline_checkpoint):
+    from huggingface_hub import ModelCard
+
+    (baseline_checkpoint / "eval_results.json").unlink()
+    assert export_to_hub.main([str(baseline_checkpoint), str(tmp_path / "hub"), "--allow_missing_eval_results"]) == 0
+    assert ModelCard.load(tmp_path / "hub" / "README.md", ignore_metadata_errors=False).data.eval_results is None
+
+
+def test_failure_after_staging_removes_the_staging_directory(tmp_path, baseline_checkpoint, monkeypatch):
+    def broken_card(**kwargs):
+        raise ExportError("card exploded")
+
+    monkeypatch.setattr(export_to_hub, "render_model_card", broken_card)
+    with pytest.raises(ExportError, match="card exploded"):
+        export_checkpoint(baseline_checkpoint, tmp_path / "hub")
+    assert not (tmp_path / "hub").exists() and leftovers(tmp_path) == []
+
+
+def test_push_to_hub_uses_huggingface_hub_create_repo_and_upload_folder(tmp_path, baseline_checkpoint, monkeypatch):
+    calls = []
+
+    class FakeApi:
+        def __init__(self, token=None):
+            calls.append(("init", token))
+
+        def create_repo(self, **kwargs):
+            calls.append(("create_repo", kwargs))
+
+        def upload_folder(self, **kwargs):
+            calls.append(("upload_folder", kwargs))
+            return type("Commit", (), {"commit_url": "https://huggingface.co/someone/tiny/commit/abc"})()
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    out = tmp_path / "hub"
+    argv = [str(baseline_checkpoint), str(out), "--push_to_hub", "--hub_model_id", "someone/tiny", "--private"]
+    assert export_to_hub.main(argv) == 0
+    assert calls[1] == ("create_repo", {"repo_id": "someone/tiny", "repo_type": "model", "private": True, "exist_ok": True})
+    assert calls[2][0] == "upload_folder" and calls[2][1]["folder_path"] == str(out.resolve())
+    assert calls[2][1]["repo_id"] == "someone/tiny"
+
+
+def test_push_to_hub_needs_a_model_id(tmp_path, baseline_checkpoint):
+    assert export_to_hub.main([str(baseline_checkpoint), str(tmp_path / "hub"), "--push_to_hub"]) == 2
+    assert not (tmp_path / "hub").exists()
+
+
+def test_training_script_passes_push_to_hub_through_to_trainer():
+    from training_scripts.train import parse_arguments
+
+    _, _, _, training_args, _ = parse_arguments(
+        ["--model_type", "flexformer", "--output_dir", "/tmp/unused", "--push_to_hub", "--hub_model_id", "someone/x"]
+    )
+    assert training_args.push_to_hub is True and training_args.hub_model_id == "someone/x"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Acceptance: a fresh virtual environment with only torch, transformers, tokenizers and safetensors
+# ---------------------------------------------------------------------------------------------------------
+
+REMOTE_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors")
+
+
+def _installed_version(name: str) -> str:
+    return importlib.metadata.version(name).split("+")[0]
+
+
+def clean_venv_python() -> Path:
+    """The Python of a virtual environment holding only torch, transformers, tokenizers and safetensors (and their
+    own dependencies), pinned to the versions installed here; built once per versions and cached in the temp
+    directory (a file lock makes concurrent test runs wait for one build)."""
+    pins = [f"{name}=={_installed_version(name)}" for name in REMOTE_PACKAGES]
+    key = hashlib.sha256(" ".join([sys.version, *pins]).encode()).hexdigest()[:16]
+    venv = Path(tempfile.gettempdir()) / f"flexformers-hub-venv-{key}"
+    python = venv / "bin" / "python"
+    marker = venv / ".flexformers-complete"
+    with open(f"{venv}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.is_file():
+            return python
+        if venv.exists():
+            import shutil
+
+            shutil.rmtree(venv)
+        env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONHOME")}
+        env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+        steps = [
+            [sys.executable, "-m", "venv", str(venv)],
+            [str(python), "-m", "pip", "install", "--quiet", pins[0]],  # torch from the local wheel
+            [str(python), "-m", "pip", "install", "--quiet", *pins[1:]],
+        ]
+        for step in steps:
+            result = subprocess.run(step, env=env, capture_output=True, text=True, timeout=900, cwd=tempfile.gettempdir())
+            if result.returncode != 0:
+                raise RuntimeError(f"building the clean venv failed at {step}:\n{result.stderr[-3000:]}")
+        marker.write_text(" ".join(pins) + "\n")
+    return python
+
+
+REMOTE_SCRIPT = r"""
+import importlib.metadata, importlib.util, json, sys
+
+request = json.load(open(sys.argv[1]))
+leaked = [name for name in ("flexformers", "modeling", "configuration", "training_scripts", "metrics")
+          if importlib.util.find_spec(name) is not None]
+import torch, transformers
+from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, AutoTokenizer
+
+torch.set_num_threads(1)
+results = {"leaked": leaked, "sys_path": sys.path, "packages": sorted(
+    d.metadata["Name"].lower() for d in importlib.metadata.distributions())}
+for model_type, folder in request["folders"].items():
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)  # as a user writes it (no trust_remote_code)
+        model = AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True).eval()
+        base = AutoModel.from_pretrained(folder, trust_remote_code=True)
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+        inputs = tokenizer(request["sentences"], return_tensors="pt", padding=True)
+        with torch.no_grad():
+            default = model.generate(**inputs)
+            greedy = model.generate(**inputs, num_beams=1)
+        results[model_type] = {
+            "input_ids": inputs["input_ids"].tolist(),
+            "default": default.tolist(),
+            "greedy": greedy.tolist(),
+            "model_module": type(model).__module__,
+            "model_class": type(model).__name__,
+            "base_class": type(base).__name__,
+            "config_class": type(config).__name__,
+        }
+    except Exception as error:
+        import traceback
+        results[model_type] = {"error": traceback.format_exc()}
+json.dump(results, open(sys.argv[2], "w"))
+"""
+
+SENTENCES = ["the cat sees a dog", "big red house", "the small dog runs and jumps over the tree"]
+
+#: Per-method additions to the tiny architecture (the rest of each method's config keeps its defaults).
+TINY_ARCHITECTURE = (
+    "encoder_layers=2,decoder_layers=2,encoder_embed_dim=32,decoder_embed_dim=32,encoder_ffn_embed_dim=64,"
+    "decoder_ffn_embed_dim=64,encoder_attention_heads=4,decoder_attention_heads=4,dropout=0.0,"
+    "max_source_positions=64,max_target_positions=64"
+)
+
+
+def _write_corpus(directory: Path) -> dict[str, Path]:
+    import random
+
+    rng = random.Random(0)
+    lexicon = {
+        "the": "der", "a": "ein", "cat": "katze", "dog": "hund", "sees": "sieht", "likes": "mag", "big": "gross",
+        "small": "klein", "red": "rot", "blue": "blau", "house": "haus", "tree": "baum", "runs": "rennt",
+        "jumps": "springt",
+    }
+    words = sorted(lexicon)
+    rows = []
+    for _ in range(140):
+        sentence = [rng.choice(words) for _ in range(rng.randint(3, 7))]
+        rows.append(f"{' '.join(sentence)}\t{' '.join(lexicon[w] for w in sentence)}")
+    files = {}
+    for split, part in (("train", rows[:120]), ("valid", rows[120:130]), ("test", rows[130:])):
+        files[split] = directory / f"{split}.tsv"
+        files[split].write_text("source\ttarget\n" + "\n".join(part) + "\n")
+    return files
+
+
+def _train_decode_export(model_type: str, work: Path, corpus: dict[str, Path]) -> Path:
+    """The pipeline end to end: flexformers-train (a few steps), flexformers-decode (eval_results.json),
+    flexformers-export."""
+    from training_scripts import decode, train
+
+    run_dir = work / f"run-{model_type}"
+    train.main([
+        "--model_type", model_type, "--preset", "transformer_codegen_small", "--config_overrides", TINY_ARCHITECTURE,
+        "--vocab_size", "280", "--bpe_min_frequency", "1", "--task", "files",
+        "--train_file", str(corpus["train"]), "--validation_file", str(corpus["valid"]),
+        "--test_file", str(corpus["test"]), "--max_source_length", "32", "--max_target_length", "32",
+        "--output_dir", str(run_dir), "--do_train", "--max_steps", "40", "--learning_rate", "5e-3",
+        "--warmup_steps", "0", "--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none",
+        "--per_device_train_batch_size", "16", "--logging_steps", "20", "--seed", "0",
+        "--disable_tqdm", "true",
+    ])
+    decode.main([
+        "--model_name_or_path", str(run_dir), "--split", "test", "--num_beams", "2", "--max_new_tokens", "16",
+        "--num_samples_to_print", "0",
+    ])
+    return export_checkpoint(run_dir, work / f"hub-{model_type}")
+
+
+@pytest.fixture(scope="module")
+def remote_results(tmp_path_factory):
+    """Train/evaluate/export every model type, then load them all in one run of the clean venv."""
+    work = tmp_path_factory.mktemp("hub-acceptance")
+    corpus = _write_corpus(work)
+    folders, failures = {}, {}
+    for model_type in MODEL_TYPES:
+        try:
+            folders[model_type] = _train_decode_export(model_type, work, corpus)
+        except Exception as error:  # reported by that type's test
+            import traceback
+
+            failures[model_type] = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
+    python = clean_venv_python()
+    request = work / "request.json"
+    request.write_text(json.dumps({"folders": {k: str(v) for k, v in folders.items()}, "sentences": SENTENCES}))
+    remote_home = work / "remote-home"
+    remote_home.mkdir()
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(remote_home),
+        "HF_HOME": str(remote_home / "hf"),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    output = work / "remote.json"
+    result = subprocess.run(
+        [str(python), "-I", "-c", REMOTE_SCRIPT, str(request), str(output)],
+        cwd=remote_home, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    return folders, failures, json.loads(output.read_text())
+
+
+@pytest.mark.slow
+def test_clean_venv_has_only_the_four_packages_and_no_flexformers(remote_results):
+    _, _, remote = remote_results
+    assert remote["leaked"] == []
+    assert not any("work/main" in entry for entry in remote["sys_path"])
+    assert "flexformers" not in remote["packages"]
+    for name in ("torch", "transformers", "tokenizers", "safetensors"):
+        assert name in remote["packages"]
+    for absent in ("accelerate", "datasets", "evaluate", "sacrebleu"):
+        assert absent not in remote["packages"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_exported_model_generates_exactly_like_the_project_model(remote_results, model_type):
+    from training_scripts.model_registry import get_method_spec
+    from training_scripts.tokenizer import load_tokenizers
+
+    folders, failures, remote = remote_results
+    assert model_type not in failures, f"train/decode/export of {model_type} failed:\n{failures.get(model_type)}"
+    folder = folders[model_type]
+    assert "error" not in remote[model_type], remote[model_type].get("error")
+    loaded = remote[model_type]
+    spec = get_method_spec(model_type)
+    assert loaded["model_module"].startswith("transformers_modules.")  # the folder's code, not a package
+    assert loaded["model_class"] == spec.model_class.__name__
+    assert loaded["config_class"] == spec.config_class.__name__
+
+    source_tokenizer, _ = load_tokenizers(folder)
+    model = spec.model_class.from_pretrained(str(folder)).eval()
+    inputs = source_tokenizer(SENTENCES, return_tensors="pt", padding=True)
+    assert inputs["input_ids"].tolist() == loaded["input_ids"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            default = model.generate(**inputs)
+            greedy = model.generate(**inputs, num_beams=1)
+    finally:
+        torch.set_num_threads(threads)
+    generation = json.loads((folder / "generation_config.json").read_text())
+    assert generation["num_beams"] == 2  # the evaluation's decoding settings travel with the folder
+    assert default.tolist() == loaded["default"]
+    assert greedy.tolist() == loaded["greedy"]
+    assert default.shape[1] > 1
