@@ -1,0 +1,468 @@
+"""InDIGO: position mapping (Eq. 3-6), orders and collator, relative attention (Eq. 7), pointer/losses (Eq. 9-11),
+incremental decoding, generate (greedy / beam / sampling), SAO (Sec. 4.2)."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForSeq2SeqLM, GenerationConfig
+
+import modeling  # noqa: F401  (registers the model types)
+from configuration.configuration_indigo import InDIGOConfig
+from modeling.modeling_indigo import (
+    LEFT,
+    RIGHT,
+    InDIGOForConditionalGeneration,
+    InsertionState,
+    absolute_positions_from_relative,
+    append_relative_position,
+    build_insertion_batch,
+    gap_log_probs,
+    insertion_neighbors,
+    insertion_relative_position,
+    reading_order_from_positions,
+    relative_positions_from_absolute,
+    replay_insertions,
+)
+from training_scripts.indigo_orders import (
+    InDIGODataCollator,
+    common_token_ids_by_frequency,
+    order_balanced_tree,
+    order_from_dependency_heads,
+    order_frequency_first,
+    order_left_to_right,
+    order_odd_even,
+    order_random,
+    order_right_to_left,
+)
+
+SETTINGS = settings(max_examples=40, deadline=None)
+MODEL_SETTINGS = settings(max_examples=12, deadline=None)
+HAS_SPACY = importlib.util.find_spec("spacy") is not None
+
+
+def tiny_config(**overrides) -> InDIGOConfig:
+    values = dict(
+        vocab_size=40, encoder_embed_dim=32, decoder_embed_dim=32, encoder_ffn_embed_dim=64,
+        decoder_ffn_embed_dim=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, dropout=0.0, max_target_positions=64,
+    )
+    values.update(overrides)
+    return InDIGOConfig(**values)
+
+
+@pytest.fixture(scope="module")
+def model() -> InDIGOForConditionalGeneration:
+    torch.manual_seed(0)
+    return InDIGOForConditionalGeneration(tiny_config()).eval()
+
+
+@pytest.fixture(scope="module")
+def source():
+    return torch.tensor([[5, 6, 7, 8, 2], [9, 10, 11, 2, 1], [12, 2, 1, 1, 1]])
+
+
+# ---- Eq. 3-6 ------------------------------------------------------------------------------------------------------
+
+insertions = st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from([LEFT, RIGHT])), max_size=14)
+
+
+@SETTINGS
+@given(insertions)
+def test_insertion_sequence_to_relative_matrix_to_positions_reproduces_the_sequence(operations):
+    relations = torch.tensor([[[0, LEFT], [RIGHT, 0]]], dtype=torch.int8)  # Algorithm 1's initial R
+    anchors, sides = [], []
+    for raw_anchor, side in operations:
+        n = relations.shape[1]
+        anchor = raw_anchor % n
+        if (anchor == 0 and side == LEFT) or (anchor == 1 and side == RIGHT):
+            side = -side  # nothing goes left of <s> or right of </s>
+        row = insertion_relative_position(relations, torch.tensor([anchor]), torch.tensor([side]))  # Eq. 6
+        grown = append_relative_position(relations, row)  # Eq. 5
+        assert torch.equal(grown[:, :n, :n], relations)  # append-only
+        relations = grown
+        anchors.append(anchor)
+        sides.append(side)
+    positions = absolute_positions_from_relative(relations)[0]  # Eq. 4
+    expected = replay_insertions(list(range(len(anchors))), anchors, sides)
+    assert reading_order_from_positions(positions).tolist() == expected
+    assert sorted(positions.tolist()) == list(range(len(anchors) + 2))
+    assert torch.equal(relative_positions_from_absolute(positions[None]), relations)  # Eq. 3 agrees
+
+
+def test_relation_sign_convention():
+    # <s> (z=0) is left of </s> (z=1): r_{0,1} = -1, and z_i counts the words left of i (Eq. 4).
+    relations = relative_positions_from_absolute(torch.tensor([0, 2, 1]))
+    assert relations.tolist() == [[0, -1, -1], [1, 0, 1], [1, -1, 0]]
+    assert absolute_positions_from_relative(relations).tolist() == [0, 2, 1]
+
+
+def test_gap_log_probs_adds_the_two_equivalent_slots():
+    slots = torch.log_softmax(torch.randn(6), -1)  # 3 words: left 0..2, right 0..2
+    reading = torch.tensor([0, 2, 1])  # <s>, word 2, </s>
+    gaps = gap_log_probs(slots, reading).exp()
+    probs = slots.exp()
+    assert torch.allclose(gaps, torch.stack([probs[3 + 0] + probs[2], probs[3 + 2] + probs[1]]))
+
+
+def test_insertion_neighbors_small_example():
+    # insertion order: <s>, </s>, z=2, z=1, z=3
+    positions = torch.tensor([[0, 4, 2, 1, 3]])
+    left, right = insertion_neighbors(positions, torch.ones(1, 5, dtype=torch.bool))
+    assert left.tolist() == [[-1, -1, 0, 0, 2]]
+    assert right.tolist() == [[-1, -1, 1, 2, 1]]
+
+
+# ---- orders and the collator -----------------------------------------------------------------------------------
+
+
+@st.composite
+def dependency_heads(draw):
+    length = draw(st.integers(1, 12))
+    heads = []
+    for index in range(length):
+        heads.append(index if index == 0 else draw(st.integers(0, index - 1)))
+    permutation = draw(st.permutations(range(length)))
+    relabelled = [0] * length
+    for index, head in enumerate(heads):
+        relabelled[permutation[index]] = permutation[head]
+    return relabelled
+
+
+@SETTINGS
+@given(st.integers(0, 30), st.integers(0, 1000), dependency_heads())
+def test_every_predefined_order_is_a_permutation(length, seed, heads):
+    tokens = [random.Random(seed + i).randrange(5, 40) for i in range(length)]
+    common = common_token_ids_by_frequency([tokens]) if tokens else set()
+    orders = [
+        order_left_to_right(length), order_right_to_left(length), order_odd_even(length),
+        order_balanced_tree(length), order_random(length, random.Random(seed)),
+        order_frequency_first(tokens, common, True), order_frequency_first(tokens, common, False),
+    ]
+    for order in orders:
+        assert sorted(order) == list(range(length))
+    syntax = order_from_dependency_heads(heads)
+    assert sorted(syntax) == list(range(len(heads)))
+    depth = {}
+    for node in syntax:  # parents come before their children
+        head = heads[node]
+        assert head == node or head in depth
+        depth[node] = 0 if head == node else depth[head] + 1
+
+
+def test_order_examples():
+    assert order_odd_even(5) == [0, 2, 4, 1, 3]
+    assert order_balanced_tree(7) == [3, 1, 5, 0, 2, 4, 6]
+    assert order_from_dependency_heads([1, 1, 1, 2]) == [1, 0, 2, 3]
+    assert order_frequency_first([5, 9, 5, 7], {5}, True) == [0, 2, 1, 3]
+    assert order_frequency_first([5, 9, 5, 7], {5}, False) == [1, 3, 0, 2]
+
+
+def test_frequency_cutoff_splits_tokens_about_in_half():
+    corpus = [[5] * 10 + [6] * 6 + [7] * 3 + [8] * 1]
+    common = common_token_ids_by_frequency(corpus)
+    assert common == {5}  # 10 of 20 tokens
+
+
+@SETTINGS
+@given(
+    st.lists(st.lists(st.integers(5, 39), min_size=0, max_size=12), min_size=1, max_size=4),
+    st.sampled_from(["l2r", "r2l", "odd", "blt", "cf", "rf", "rnd"]),
+    st.integers(0, 100),
+)
+def test_collator_targets_replay_to_the_reference(targets, order, seed):
+    common = common_token_ids_by_frequency(targets + [[5, 6]])
+    collator = InDIGODataCollator(order=order, common_token_ids=common, seed=seed)
+    features = [{"input_ids": [7, 8, 2], "labels": target + [2]} for target in targets]
+    batch = collator(features)
+    for row, target in enumerate(targets):
+        tokens = batch["decoder_input_ids"][row].tolist()
+        labels = batch["insertion_labels"][row].tolist()
+        pointers = batch["pointer_labels"][row].tolist()
+        n = len(target)
+        assert tokens[:2] == [0, 2] and all(t == 1 for t in tokens[n + 2:])
+        assert labels[0] == -100 and labels[1 : n + 1] == tokens[2 : n + 2] and labels[n + 1] == 4  # <eod> last
+        assert sorted(tokens[2 : n + 2]) == sorted(target)
+        # Either of the two equivalent pointer targets (Eq. 11) rebuilds the reference.
+        for anchor_column, side in ((0, RIGHT), (1, LEFT)):
+            anchors = [pointers[step + 1][anchor_column] for step in range(n)]
+            reading = replay_insertions(tokens[2 : n + 2], anchors, [side] * n)
+            assert [tokens[i] for i in reading[1:-1]] == target
+        relations = batch["relative_positions"][row, : n + 2, : n + 2]
+        positions = absolute_positions_from_relative(relations)
+        assert [tokens[i] for i in reading_order_from_positions(positions)[1:-1].tolist()] == target
+        assert batch["labels"][row, : n + 1].tolist() == target + [2]
+
+
+def test_collator_rejects_bad_input():
+    with pytest.raises(ValueError, match="order must be one of"):
+        InDIGODataCollator(order="zigzag")
+    with pytest.raises(ValueError, match="common_token_ids"):
+        InDIGODataCollator(order="cf")
+    with pytest.raises(ValueError, match="special token"):
+        InDIGODataCollator()([{"input_ids": [5, 2], "labels": [5, 4, 2]}])
+    with pytest.raises(ValueError, match="permutation"):
+        build_insertion_batch(torch.tensor([[5, 6]]), torch.tensor([2]), torch.tensor([[0, 0]]))
+
+
+@pytest.mark.skipif(HAS_SPACY, reason="checks the error raised when spaCy is not installed")
+def test_syn_order_without_spacy_is_a_clear_error():
+    with pytest.raises(ValueError, match="spaCy"):
+        InDIGODataCollator(order="syn", tokenizer=object())
+
+
+@pytest.mark.skipif(not HAS_SPACY, reason="spaCy is not installed (the SYN order needs an English pipeline)")
+def test_syn_order_with_spacy():
+    from training_scripts.indigo_orders import load_spacy_pipeline, order_syntax_tree
+
+    order = order_syntax_tree(["the", "cat", "sat", "down"], load_spacy_pipeline())
+    assert sorted(order) == [0, 1, 2, 3] and order[0] == 2
+
+
+# ---- config --------------------------------------------------------------------------------------------------------
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="decoder_use_positions"):
+        tiny_config(decoder_use_positions=True)
+    with pytest.raises(ValueError, match="pointer_decision"):
+        tiny_config(pointer_decision="middle")
+    with pytest.raises(ValueError, match="must differ"):
+        tiny_config(eod_token_id=2)
+
+
+# ---- attention (Eq. 7) ---------------------------------------------------------------------------------------------
+
+
+def test_relative_bias_matches_equation_7(model):
+    attention = model.model.decoder.layers[0].self_attn
+    torch.manual_seed(1)
+    query = torch.randn(2, 4, 5, 8)
+    relations = relative_positions_from_absolute(torch.stack([torch.randperm(5), torch.randperm(5)]))
+    bias = attention.relative_position_bias(query, relative_positions=relations)
+    table = attention.relation_embedding.weight.view(3, 4, 8)
+    expected = torch.einsum("bhqd,bqkhd->bhqk", query, table[(relations.long() + 1)]) / 8**0.5
+    assert torch.allclose(bias, expected, atol=1e-5)
+
+
+def test_decoder_has_no_absolute_positions_and_depends_on_relations(model, source):
+    assert model.model.decoder.embed_positions is None
+    encoder = model.model.encoder(source[:1]).last_hidden_state
+    tokens = torch.tensor([[0, 2, 9, 10]])
+    a, _ = model._decoder_states(tokens, relative_positions_from_absolute(torch.tensor([[0, 3, 1, 2]])), encoder, None)
+    b, _ = model._decoder_states(tokens, relative_positions_from_absolute(torch.tensor([[0, 3, 2, 1]])), encoder, None)
+    assert torch.allclose(a[:, :3], b[:, :3], atol=1e-6)  # causal: earlier states do not see later relations
+    assert not torch.allclose(a[:, 3], b[:, 3], atol=1e-4)
+
+
+def test_eager_and_sdpa_agree(source):
+    torch.manual_seed(0)
+    eager = InDIGOForConditionalGeneration(tiny_config()).eval()
+    eager.config._attn_implementation = "eager"
+    sdpa = InDIGOForConditionalGeneration(tiny_config()).eval()
+    sdpa.load_state_dict(eager.state_dict())
+    sdpa.config._attn_implementation = "sdpa"
+    labels = torch.tensor([[12, 13, 14, 2], [15, 16, 2, -100], [17, 2, -100, -100]])
+    assert torch.allclose(eager(input_ids=source, labels=labels).loss, sdpa(input_ids=source, labels=labels).loss, atol=1e-5)
+
+
+# ---- incremental decoding == full forward ----------------------------------------------------------------------
+
+
+@MODEL_SETTINGS
+@given(insertions.filter(lambda ops: len(ops) >= 1))
+def test_incremental_decoding_equals_full_forward(model, source, operations):
+    encoder = model.model.encoder(source[:1]).last_hidden_state
+    state = InsertionState(1, len(operations) + 2, 32, encoder.device, encoder.dtype, 0, 2, 1)
+    last, cache = model._start(state, encoder, None)
+    incremental = [last]
+    for step, (raw_anchor, side) in enumerate(operations):
+        anchor = raw_anchor % state.length
+        if (anchor == 0 and side == LEFT) or (anchor == 1 and side == RIGHT):
+            side = -side
+        row = state.insert(torch.tensor([5 + step % 30]), torch.tensor([anchor]), torch.tensor([side]))
+        last, cache = model._decode_step(state.tokens[:, state.length - 1 : state.length], row, encoder, None, cache, state)
+        incremental.append(last)
+    full, _ = model._decoder_states(state.tokens, state.current_relations(), encoder, None)
+    assert torch.allclose(torch.stack(incremental, 1), full[:, 1:], atol=1e-5)
+    left, right = model.pointer_keys(full)
+    assert torch.allclose(state.left_keys, left, atol=1e-5) and torch.allclose(state.right_keys, right, atol=1e-5)
+
+
+# ---- losses -------------------------------------------------------------------------------------------------------
+
+
+def test_loss_is_word_plus_position_negative_log_likelihood(model, source):
+    targets = torch.tensor([[12, 13, 14], [15, 16, 1], [17, 1, 1]])
+    lengths = torch.tensor([3, 2, 1])
+    orders = torch.tensor([[2, 0, 1], [1, 0, 0], [0, 0, 0]])
+    batch = build_insertion_batch(targets, lengths, orders)
+    output = model(input_ids=source, **batch)
+    log_likelihood = model.sequence_log_likelihood(source, source.ne(1).long(), targets, lengths, orders)
+    tokens = (lengths + 1).sum()
+    assert torch.allclose(output.loss, -log_likelihood.sum() / tokens, atol=1e-5)
+    # labels only = the L2R order
+    labels = torch.tensor([[12, 13, 14, 2], [15, 16, 2, -100], [17, 2, -100, -100]])
+    l2r = build_insertion_batch(targets, lengths, torch.tensor([[0, 1, 2], [0, 1, 0], [0, 0, 0]]))
+    assert torch.allclose(model(input_ids=source, labels=labels).loss, model(input_ids=source, **l2r).loss)
+
+
+def test_label_smoothing_and_gradients_reach_every_parameter(source):
+    torch.manual_seed(0)
+    model = InDIGOForConditionalGeneration(tiny_config(label_smoothing=0.1))
+    collator = InDIGODataCollator(order="rnd", seed=3)
+    batch = collator([{"input_ids": [5, 6, 2], "labels": [12, 13, 14, 2]}, {"input_ids": [7, 2], "labels": [15, 2]}])
+    output = model(**batch)
+    output.loss.backward()
+    missing = [name for name, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    # the encoder's padding row and unused rows of the vocabulary are the only zero gradients allowed
+    assert missing == [], missing
+
+
+# ---- generate -----------------------------------------------------------------------------------------------------
+
+
+def test_greedy_equals_teacher_forced_argmax(model, source):
+    result = model.generate(source, max_new_tokens=8, return_insertion_trace=True)
+    assert result.sequences[:, 0].eq(0).all()
+    for row in range(source.shape[0]):
+        tokens = result.insertion_ids[row]
+        n = int(tokens.ne(1).sum())
+        relations = result.relative_positions[row, :n, :n]
+        mask = source[row : row + 1].ne(1).long()
+        encoder = model.model.encoder(source[row : row + 1], attention_mask=mask).last_hidden_state
+        hidden, _ = model._decoder_states(tokens[None, :n], relations[None], encoder, mask)
+        words = model._decoding_word_logits(hidden[0]).argmax(-1)
+        assert words[1 : n - 1].tolist() == tokens[2:n].tolist()
+        if len(result.insertion_trace[row]) < 8:  # stopped by <eod>, which is the arg-max after the last word
+            assert int(words[n - 1]) == model.config.eod_token_id
+        positions = absolute_positions_from_relative(relations)
+        # the sequence in reading order is the insertion sequence sorted by Eq. 4's positions
+        assert result.sequences[row, :n].tolist() == tokens[:n][reading_order_from_positions(positions)].tolist()
+        # every pointer decision is the arg-max relative position (Eq. 11) of the teacher-forced pointer
+        for step, (token, anchor, side, position) in enumerate(result.insertion_trace[row]):
+            t = step + 1  # query index that predicted this insertion
+            query = model.pointer_query(hidden[:, t], tokens[None, step + 2])[:, None]
+            left, right = model.pointer_keys(hidden[:, : t + 1])
+            slots = model.slot_log_probs(query, left, right)[:, 0]
+            partial = absolute_positions_from_relative(relations[: t + 1, : t + 1])
+            gaps = gap_log_probs(slots, reading_order_from_positions(partial)[None])
+            assert int(gaps.argmax(-1)) + 1 == position
+
+
+def test_beam_size_one_equals_greedy(model, source):
+    greedy = model.generate(source, max_new_tokens=7, return_dict_in_generate=True)
+    config, _ = model._prepare_generation_config(
+        GenerationConfig(num_beams=1, length_penalty=1.0, early_stopping=False, num_return_sequences=1)
+    )
+    config.eos_token_id = model.config.eod_token_id
+    encoder = model.model.encoder(source, attention_mask=source.ne(1).long()).last_hidden_state
+    model._prepare_special_tokens(config, True, device=source.device)
+    processors = model._get_logits_processor(generation_config=config, input_ids_seq_length=2, device=source.device)
+    with torch.no_grad():
+        beam = model._beam_search(encoder, source.ne(1).long(), config, processors, 7, False)
+    assert torch.equal(beam.sequences, greedy.sequences[:, : beam.sequences.shape[1]])
+
+
+def test_beam_search_outputs(model, source):
+    output = model.generate(source, max_new_tokens=6, num_beams=4, num_return_sequences=3,
+                            return_dict_in_generate=True, length_penalty=1.0)
+    assert output.sequences.shape[0] == 9
+    scores = output.sequences_scores.view(3, 3)
+    assert (scores[:, :-1] >= scores[:, 1:]).all()
+    for row in output.sequences.tolist():
+        content = [t for t in row if t != 1]
+        assert content[0] == 0 and content[-1] == 2 and 0 not in content[1:-1] and 2 not in content[1:-1]
+    with pytest.raises(ValueError, match="num_return_sequences"):
+        model.generate(source, num_beams=2, num_return_sequences=3)
+
+
+def test_beam_search_finds_at_least_the_greedy_score(model, source):
+    greedy = model.generate(source, max_new_tokens=5, return_dict_in_generate=True)
+    beam = model.generate(source, max_new_tokens=5, num_beams=4, length_penalty=0.0, return_dict_in_generate=True)
+    finished = greedy.sequences.ne(1).sum(-1) < 7
+    assert (beam.sequences_scores[finished] >= greedy.sequences_scores[finished] - 1e-4).all()
+
+
+def test_sampling_and_processors(model, source):
+    torch.manual_seed(0)
+    samples = model.generate(source, do_sample=True, top_k=3, temperature=0.7, num_return_sequences=2, max_new_tokens=5)
+    assert samples.shape[0] == 6
+    forced = model.generate(source, max_new_tokens=4, min_new_tokens=4, return_dict_in_generate=True)
+    assert (forced.sequences.ne(1).sum(-1) == 6).all()  # <eod> blocked for 4 steps, then max_new_tokens stops
+    # a processor that bans a word is honoured
+    banned = model.generate(source, max_new_tokens=6, bad_words_ids=[[int(forced.sequences[0, 1])]])
+    assert int(forced.sequences[0, 1]) not in banned[0].tolist()
+
+
+def test_generate_accepts_trainer_arguments(model, source):
+    labels = torch.tensor([[12, 13, 2], [15, 2, -100], [17, 2, -100]])
+    out = model.generate(input_ids=source, attention_mask=source.ne(1).long(), labels=labels, num_beams=2,
+                         synced_gpus=False, max_new_tokens=4)
+    assert out.dtype == torch.long and out.shape[0] == 3
+
+
+def test_save_and_load_round_trip(model, source, tmp_path):
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded, InDIGOForConditionalGeneration)
+    assert torch.equal(loaded.generate(source, max_new_tokens=5), model.generate(source, max_new_tokens=5))
+
+
+# ---- SAO (Sec. 4.2) -----------------------------------------------------------------------------------------------
+
+
+def test_sao_returns_permutations_scored_by_the_model_log_likelihood(model, source):
+    targets = torch.tensor([[12, 13, 14, 15], [16, 17, 1, 1], [18, 19, 20, 1]])
+    lengths = torch.tensor([4, 2, 3])
+    mask = source.ne(1).long()
+    model.sao_search_dropout = False
+    encoder = model.model.encoder(source, attention_mask=mask).last_hidden_state
+    orders, scores = model.search_adaptive_orders(encoder, mask, targets, lengths, beam_size=4)
+    assert orders.shape == (3, 4, 4)
+    for sentence in range(3):
+        n = int(lengths[sentence])
+        seen = set()
+        for beam in range(4):
+            order = orders[sentence, beam, :n].tolist()
+            assert sorted(order) == list(range(n))
+            if torch.isfinite(scores[sentence, beam]):
+                seen.add(tuple(order))
+        # distinct orders for every finite beam; a 2-word sentence has only 2 orders
+        assert len(seen) == int(torch.isfinite(scores[sentence]).sum()) == min(4, [24, 2, 6][sentence])
+    finite = torch.isfinite(scores)
+    flat_orders = orders.reshape(12, 4)
+    repeated = lambda t: t.repeat_interleave(4, 0)  # noqa: E731
+    likelihood = model.sequence_log_likelihood(repeated(source), repeated(mask), repeated(targets), repeated(lengths),
+                                               flat_orders).view(3, 4)
+    assert torch.allclose(scores[finite], likelihood[finite], atol=1e-4)
+    assert (scores[:, :-1] >= scores[:, 1:]).all()
+    # the best order of a 2-word sentence is the better of its two orders
+    both = model.sequence_log_likelihood(source[1:2].repeat(2, 1), mask[1:2].repeat(2, 1), targets[1:2].repeat(2, 1),
+                                         lengths[1:2].repeat(2), torch.tensor([[0, 1, 0, 0], [1, 0, 0, 0]]))
+    assert torch.allclose(scores[1, 0], both.max(), atol=1e-4)
+
+
+def test_sao_training_loss_averages_the_found_orders(source):
+    torch.manual_seed(0)
+    model = InDIGOForConditionalGeneration(tiny_config())
+    model.use_searched_orders, model.sao_beam_size, model.sao_search_dropout = True, 3, False
+    collator = InDIGODataCollator(order="sao")
+    batch = collator([{"input_ids": [5, 6, 2], "labels": [12, 13, 14, 2]}, {"input_ids": [7, 2], "labels": [15, 16, 2]}])
+    model.eval()
+    output = model(**batch)
+    orders, scores = output.searched_orders, output.searched_scores
+    expected = []
+    for sentence in range(2):
+        finite = torch.isfinite(scores[sentence])
+        expected.append(-scores[sentence][finite].mean() * 1.0)
+    tokens = 4 + 3  # words + <eod> per sentence
+    assert torch.allclose(output.loss, torch.stack(expected).sum() / tokens, atol=1e-4)
+    model.train()
+    model(**batch).loss.backward()
+    assert model.pointer_query_proj.weight.grad is not None
