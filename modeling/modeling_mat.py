@@ -192,7 +192,7 @@ class MATAttention(FlexformerAttention):
         keep = drop_head_keep_scales(
             self.num_branches, self.num_heads, self.drop_head_rate, training=self.training, device=device, dtype=dtype
         )
-        return None if keep is None else keep.expand(batch_size, -1)
+        return keep  # [B*M], shared by the batch
 
 
 class MATFeedForward(FlexformerFeedForward):
