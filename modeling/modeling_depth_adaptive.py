@@ -1037,6 +1037,11 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
         the layer-wise pass over the final hypotheses, which takes the same decisions as the incremental steps.
         """
         kwargs.pop("labels", None)  # Seq2SeqTrainer passes the whole batch
+        input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+        if kwargs.get("attention_mask") is None and isinstance(input_ids, torch.Tensor) and not input_ids.is_floating_point():
+            # Transformers v5 infers no attention mask for encoder-decoder models: without it the cross-attention
+            # would attend to the source padding of a batch (fairseq masks it).
+            kwargs["attention_mask"] = input_ids.ne(self.config.pad_token_id).long()
         if generation_config is not None:
             exit_strategy = exit_strategy or getattr(generation_config, "exit_strategy", None)
             fixed_exit = fixed_exit if fixed_exit is not None else getattr(generation_config, "fixed_exit", None)
@@ -1050,7 +1055,6 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
             if not return_exits:
                 return output
             sequences = output if isinstance(output, torch.Tensor) else output.sequences
-            input_ids = inputs if inputs is not None else kwargs.get("input_ids")
             exits = self.compute_token_exits(
                 sequences,
                 input_ids=input_ids,

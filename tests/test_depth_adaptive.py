@@ -1,0 +1,377 @@
+"""Depth-Adaptive Transformer model: equivalences of the early-exit decoder, training losses, generation."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, GenerationConfig
+
+import modeling  # noqa: F401  (registers the model types)
+from configuration.configuration_depth_adaptive import DepthAdaptiveConfig
+from configuration.configuration_flexformer import FlexformerConfig
+from modeling.modeling_depth_adaptive import (
+    DepthAdaptiveForConditionalGeneration,
+    DepthAdaptiveModel,
+    exit_loss_weights,
+    scale_gradient,
+)
+from modeling.modeling_flexformer import FlexformerForConditionalGeneration, label_smoothed_nll_loss, padding_mask
+
+TINY = dict(
+    vocab_size=60,
+    encoder_embed_dim=32,
+    decoder_embed_dim=16,
+    encoder_ffn_embed_dim=64,
+    decoder_ffn_embed_dim=32,
+    encoder_layers=2,
+    decoder_layers=3,
+    encoder_attention_heads=2,
+    decoder_attention_heads=2,
+    dropout=0.0,
+    max_source_positions=64,
+    max_target_positions=64,
+)
+PAD = 1
+
+
+def make_model(seed=0, **overrides) -> DepthAdaptiveForConditionalGeneration:
+    torch.manual_seed(seed)
+    return DepthAdaptiveForConditionalGeneration(DepthAdaptiveConfig(**{**TINY, **overrides})).eval()
+
+
+def make_batch(seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    source = torch.randint(4, 60, (3, 7), generator=generator)
+    source[1, 5:] = PAD
+    source[2, 3:] = PAD
+    target = torch.randint(4, 60, (3, 5), generator=generator)
+    return source, target
+
+
+def backbone_state(model, keep_layers=None, classifier_block=None):
+    """The model's weights as a plain Flexformer state dict (optionally truncated after `keep_layers` blocks,
+    with C_n as the output projection)."""
+    state = {}
+    for key, value in model.state_dict().items():
+        if key.startswith(("exit_classifiers.", "halting.")):
+            continue
+        if keep_layers is not None and key.startswith("model.decoder.layers."):
+            if int(key.split(".")[3]) >= keep_layers:
+                continue
+        state[key] = value
+    if classifier_block is not None:
+        state["lm_head.weight"] = model.exit_classifier(classifier_block).weight
+    return state
+
+
+def decoder_input_for(target):
+    return torch.cat([torch.full((target.shape[0], 1), 2), target], dim=1)
+
+
+def middle_gap(values: torch.Tensor) -> float:
+    """A value halfway between the two middle order statistics: about half the values lie above it, and none is
+    close enough to it for rounding to flip a decision."""
+    ordered = values.flatten().sort().values
+    middle = ordered.numel() // 2
+    return ((ordered[middle - 1] + ordered[middle]) / 2).item()
+
+
+@torch.no_grad()
+def balance_exits(model, source, target, settings):
+    """Make about half of the states exit at each block (halting biases or confidence thresholds at the median),
+    so a random tiny model exercises batches that mix exits."""
+    aligned = model(input_ids=source, labels=target, return_exit_logits=True)
+    if settings.get("exit_strategy") == "confidence":
+        confidence = [middle_gap(torch.softmax(logits, -1).amax(-1)) for logits in aligned.exit_logits[:-1]]
+        return {**settings, "exit_thresholds": confidence}
+    if model.config.halting_mechanism in ("token_geometric", "token_multinomial"):
+        decoder = model.model.decoder
+        encoder_states = model.get_encoder()(input_ids=source).last_hidden_state
+        layer_kwargs = {
+            "attention_mask": None,
+            "encoder_hidden_states": encoder_states,
+            "encoder_attention_mask": padding_mask(source.ne(PAD).long(), encoder_states.dtype),
+        }
+        states, _, _ = decoder.forward_layerwise(decoder.embed(decoder_input_for(target)), layer_kwargs, keep_states=True)
+        if model.config.halting_mechanism == "token_multinomial":
+            projection = model.halting.projection
+            logits = projection(states[0])
+            projection.bias -= logits.reshape(-1, model.num_exits).mean(0)  # centred: the argmax varies by token
+            return settings
+        for block in range(1, model.num_exits):
+            model.halting.bias[block - 1] -= middle_gap(model.halting.halting_logits(block, states[block - 1]))
+    return settings
+
+
+# --------------------------------------------------------------------------------------------- equivalences
+
+
+@pytest.mark.parametrize("normalize_before", [False, True])
+def test_exiting_every_token_at_block_n_is_the_baseline_decoder(normalize_before):
+    model = make_model(decoder_normalize_before=normalize_before, encoder_normalize_before=normalize_before)
+    baseline = FlexformerForConditionalGeneration(FlexformerConfig(**TINY, decoder_normalize_before=normalize_before,
+                                                                   encoder_normalize_before=normalize_before)).eval()
+    baseline.load_state_dict(backbone_state(model))
+    source, target = make_batch()
+    with torch.no_grad():
+        ours = model(input_ids=source, labels=target, return_exit_logits=True)
+        theirs = baseline(input_ids=source, labels=target)
+        torch.testing.assert_close(ours.exit_logits[-1], theirs.logits)
+        torch.testing.assert_close(ours.per_exit_losses[-1], theirs.loss)
+        for beams in (1, 3):
+            mask = source.ne(PAD).long()
+            ours_generated = model.generate(source, attention_mask=mask, max_new_tokens=8, num_beams=beams,
+                                            exit_strategy="full")
+            theirs_generated = baseline.generate(source, attention_mask=mask, max_new_tokens=8, num_beams=beams)
+            assert torch.equal(ours_generated, theirs_generated)
+
+
+@pytest.mark.parametrize("block", [1, 2])
+def test_fixed_exit_equals_the_model_truncated_after_block_n_with_classifier_n(block):
+    model = make_model()
+    truncated = FlexformerForConditionalGeneration(FlexformerConfig(**{**TINY, "decoder_layers": block})).eval()
+    truncated.load_state_dict(backbone_state(model, keep_layers=block, classifier_block=block))
+    source, target = make_batch()
+    with torch.no_grad():
+        aligned = model(input_ids=source, labels=target, return_exit_logits=True)
+        torch.testing.assert_close(aligned.exit_logits[block - 1], truncated(input_ids=source, labels=target).logits)
+        for beams in (1, 4):
+            mask = source.ne(PAD).long()
+            ours = model.generate(source, attention_mask=mask, max_new_tokens=8, num_beams=beams, exit_strategy="fixed",
+                                  fixed_exit=block)
+            theirs = truncated.generate(source, attention_mask=mask, max_new_tokens=8, num_beams=beams)
+            assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize(
+    "overrides, settings",
+    [
+        ({"halting_mechanism": "token_geometric"}, {}),
+        ({"halting_mechanism": "token_geometric", "decoder_normalize_before": True}, {}),
+        ({}, {"exit_strategy": "confidence"}),
+        ({"halting_mechanism": "token_multinomial"}, {}),
+        ({"halting_mechanism": "sequence"}, {}),
+        ({"exit_classifiers": "shared", "halting_mechanism": "token_geometric"}, {}),
+    ],
+)
+def test_incremental_early_exit_equals_recomputation_with_the_same_exits_and_copied_states(overrides, settings):
+    model = make_model(seed=3, **overrides)
+    source, target = make_batch()
+    settings = balance_exits(model, source, target, settings)
+    attention_mask = source.ne(PAD).long()
+    decoder_input = decoder_input_for(target)
+    with torch.no_grad():
+        encoder_outputs = model.get_encoder()(input_ids=source, attention_mask=attention_mask)
+        cache, step_logits, step_exits = None, [], []
+        for t in range(decoder_input.shape[1]):
+            step = model(
+                encoder_outputs=encoder_outputs, attention_mask=attention_mask,
+                decoder_input_ids=decoder_input[:, t : t + 1], past_key_values=cache, use_cache=True, **settings,
+            )
+            cache = step.past_key_values
+            step_logits.append(step.logits)
+            step_exits.append(step.exits)
+        logits, exits = torch.cat(step_logits, 1), torch.cat(step_exits, 1)
+        # the self-attention cache of every layer stayed complete
+        assert all(layer.keys.shape[2] == decoder_input.shape[1] for layer in cache.self_attention_cache.layers)
+        recomputed = model(
+            encoder_outputs=encoder_outputs, attention_mask=attention_mask, decoder_input_ids=decoder_input,
+            token_exits=exits, use_cache=False,
+        )
+        torch.testing.assert_close(recomputed.logits, logits, atol=1e-5, rtol=1e-5)
+        decided = model(
+            encoder_outputs=encoder_outputs, attention_mask=attention_mask, decoder_input_ids=decoder_input,
+            use_cache=False, **settings,
+        )
+        assert torch.equal(decided.exits, exits)
+        torch.testing.assert_close(decided.logits, logits, atol=1e-5, rtol=1e-5)
+    if overrides.get("halting_mechanism") == "sequence":
+        assert bool((exits == exits[:, :1]).all())  # one exit per sentence
+    else:
+        assert exits.unique().numel() > 1, "the test should exercise mixed exits within a batch"
+
+
+def test_copied_states_feed_the_upper_blocks_keys_and_values():
+    """A token that exits at block 1 leaves, in every block above, that block's K/V projections of h¹."""
+    model = make_model(seed=5)
+    source, target = make_batch()
+    decoder_input = decoder_input_for(target)
+    with torch.no_grad():
+        output = model(input_ids=source, decoder_input_ids=decoder_input[:, :1], use_cache=True,
+                       exit_strategy="fixed", fixed_exit=1)
+        decoder = model.model.decoder
+        embedded = decoder.embed(decoder_input[:, :1])
+        mask = {"attention_mask": None, "encoder_hidden_states": output.encoder_last_hidden_state,
+                "encoder_attention_mask": padding_mask(source.ne(PAD).long(), torch.float32)}
+        first = decoder.run_layer(0, embedded, **mask)[0]
+        for layer_idx in (1, 2):
+            keys, values = decoder.layers[layer_idx].self_attn.project_key_value(first)
+            cached = output.past_key_values.self_attention_cache.layers[layer_idx]
+            torch.testing.assert_close(cached.keys, keys)
+            torch.testing.assert_close(cached.values, values)
+
+
+@pytest.mark.parametrize("beams", [1, 3])
+def test_batched_early_exit_generation_equals_per_sentence_generation(beams):
+    model = make_model(seed=3, halting_mechanism="token_geometric")
+    source, target = make_batch()
+    balance_exits(model, source, target, {})
+    with torch.no_grad():
+        batched = model.generate(source, max_new_tokens=10, num_beams=beams, return_exits=True)
+        assert batched.exits.shape == (3, batched.sequences.shape[1] - 1)
+        assert batched.exits[batched.exits > 0].unique().numel() > 1
+        for row in range(3):
+            length = int(source[row].ne(PAD).sum())
+            single = model.generate(source[row : row + 1, :length], max_new_tokens=10, num_beams=beams, return_exits=True)
+            width = single.sequences.shape[1]
+            assert torch.equal(batched.sequences[row, :width], single.sequences[0])
+            assert bool((batched.sequences[row, width:] == PAD).all())
+            assert torch.equal(batched.exits[row, : width - 1], single.exits[0])
+
+
+def test_generate_honours_generation_config_and_returns_exits_with_dict_outputs():
+    model = make_model(seed=3, halting_mechanism="token_geometric")
+    source, target = make_batch()
+    config = GenerationConfig(max_new_tokens=4, num_beams=2, num_return_sequences=2, decoder_start_token_id=2,
+                              eos_token_id=2, pad_token_id=PAD, return_dict_in_generate=True, output_scores=True)
+    config.exit_strategy = "fixed"
+    config.fixed_exit = 2
+    with torch.no_grad():
+        output = model.generate(source, generation_config=config, return_exits=True, labels=target)
+    assert output.sequences.shape[0] == 6 and output.sequences.shape[1] <= 5
+    valid = output.sequences[:, 1:].ne(PAD)
+    assert bool((output.exits[valid] == 2).all())
+
+
+# --------------------------------------------------------------------------------------------- training
+
+
+def test_aligned_loss_is_the_weighted_average_of_the_exit_losses():
+    model = make_model(exit_loss_weighting="n", label_smoothing=0.1)
+    source, target = make_batch()
+    target[0, 3:] = -100
+    output = model(input_ids=source, labels=target, return_exit_logits=True)
+    per_exit = torch.stack([label_smoothed_nll_loss(logits, target, 0.1)[0] for logits in output.exit_logits])
+    torch.testing.assert_close(output.per_exit_losses, per_exit.detach())
+    expected = (exit_loss_weights("n", 3).float() * per_exit).sum()
+    torch.testing.assert_close(output.loss, expected)
+    output.loss.backward()
+    assert all(p.grad is not None for p in model.exit_classifiers.parameters())
+
+
+def test_gradient_scaling_keeps_the_loss_and_follows_algorithm_1():
+    source, target = make_batch()
+    plain = make_model(seed=7).train()
+    scaled = make_model(seed=7, gradient_scaling=0.5).train()
+    plain_out = plain(input_ids=source, labels=target)
+    scaled_out = scaled(input_ids=source, labels=target)
+    torch.testing.assert_close(plain_out.loss, scaled_out.loss)
+    plain_out.loss.backward()
+    scaled_out.loss.backward()
+    # Top block (n = N): only its own loss (γ_N = 1) reaches it → identical gradients.
+    grads = lambda m: dict((name, p.grad) for name, p in m.named_parameters())  # noqa: E731
+    plain_grads, scaled_grads = grads(plain), grads(scaled)
+    torch.testing.assert_close(plain_grads["lm_head.weight"], scaled_grads["lm_head.weight"])
+    torch.testing.assert_close(
+        plain_grads["model.decoder.layers.2.ffn.fc1.weight"], scaled_grads["model.decoder.layers.2.ffn.fc1.weight"]
+    )
+    # C_1 gets its own loss amplified by γ_1 = γ(N − 1) = 1.0; C_2 by γ_2 = 0.5.
+    torch.testing.assert_close(plain_grads["exit_classifiers.0.weight"], scaled_grads["exit_classifiers.0.weight"])
+    torch.testing.assert_close(0.5 * plain_grads["exit_classifiers.1.weight"], scaled_grads["exit_classifiers.1.weight"])
+    # Block 1 receives C_1's loss ×γ_1 and, through the h¹ link scaled by 1/γ_2, the losses above ×(1/γ_2):
+    # Algorithm 1 changes the lower blocks' gradients.
+    assert not torch.allclose(
+        plain_grads["model.decoder.layers.0.ffn.fc1.weight"], scaled_grads["model.decoder.layers.0.ffn.fc1.weight"]
+    )
+    assert scale_gradient(torch.ones(1), 0.5).item() == 1.0
+
+
+def test_mixed_training_samples_exits_and_trains_every_classifier():
+    model = make_model(training_mode="mixed", mixed_num_samples=3).train()
+    source, target = make_batch()
+    torch.manual_seed(0)
+    output = model(input_ids=source, labels=target)
+    assert output.exits.shape == target.shape and output.exits.unique().numel() > 1
+    output.loss.backward()
+    assert model.exit_classifiers[0].weight.grad is not None
+    # eval mode: the aligned loss, deterministic
+    model.eval()
+    with torch.no_grad():
+        assert model(input_ids=source, labels=target).loss.item() == model(input_ids=source, labels=target).loss.item()
+
+
+@pytest.mark.parametrize(
+    "mechanism, oracle", [("sequence", "likelihood"), ("sequence", "correctness"), ("token_multinomial", "likelihood"),
+                          ("token_geometric", "correctness"), ("token_geometric", "likelihood")]
+)
+def test_exit_loss_eq7_trains_the_halting_mechanism(mechanism, oracle):
+    model = make_model(halting_mechanism=mechanism, oracle=oracle, exit_loss_alpha=0.5, oracle_sigma=1.0,
+                       oracle_lambda=0.01).train()
+    source, target = make_batch()
+    target[2, 2:] = -100
+    output = model(input_ids=source, labels=target)
+    tokens = target.ne(-100).sum()
+    torch.testing.assert_close(output.loss, output.decoding_loss + 0.5 * output.exit_loss)
+    # Eq. 6: −Σ log q(n*) normalised like the decoding loss
+    chosen = output.exit_log_probs.gather(-1, (output.oracle_exits - 1).unsqueeze(-1)).squeeze(-1)
+    if mechanism != "sequence":
+        chosen = chosen * target.ne(-100)
+    torch.testing.assert_close(output.exit_loss, -chosen.sum() / tokens)
+    output.loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.halting.parameters())
+    # stage one of the two-stage schedule: α = 0 leaves the halting mechanism out of the loss
+    model.config.exit_loss_alpha = 0.0
+    assert model(input_ids=source, labels=target).exit_loss is None
+
+
+# --------------------------------------------------------------------------------------------- plumbing
+
+
+def test_iwslt_setting_parameter_count_and_untied_classifiers():
+    config = DepthAdaptiveConfig(vocab_size=100, encoder_embed_dim=512, decoder_embed_dim=256, encoder_ffn_embed_dim=1024,
+                                 decoder_ffn_embed_dim=1024, encoder_attention_heads=4, decoder_attention_heads=4)
+    model = DepthAdaptiveForConditionalGeneration(config)
+    d_e, d_d, f, v = 512, 256, 1024, 100
+    encoder_layer = 4 * d_e * d_e + 4 * d_e + 2 * d_e * f + f + d_e + 4 * d_e
+    decoder_layer = (4 * d_d * d_d + 4 * d_d) + (2 * d_d * d_d + 2 * d_e * d_d + 4 * d_d) + (2 * d_d * f + f + d_d) + 6 * d_d
+    expected = v * d_e + v * d_d + 6 * encoder_layer + 6 * decoder_layer + 6 * d_d * v
+    assert sum(p.numel() for p in model.parameters()) == expected
+    classifiers = [model.exit_classifier(n).weight for n in range(1, 7)]
+    assert len({c.data_ptr() for c in classifiers}) == 6
+
+
+def test_shared_classifiers_tied_to_embeddings():
+    model = make_model(exit_classifiers="shared", share_decoder_input_output_embed=True)
+    embedding = model.model.decoder.embed_tokens
+    assert all(model.exit_classifier(n).weight.data_ptr() == embedding.weight.data_ptr() for n in (1, 2, 3))
+
+
+def test_save_load_and_auto_classes(tmp_path):
+    model = make_model(halting_mechanism="token_geometric", exit_thresholds=[0.3, 0.6])
+    model.save_pretrained(tmp_path)
+    assert isinstance(AutoConfig.from_pretrained(tmp_path), DepthAdaptiveConfig)
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded, DepthAdaptiveForConditionalGeneration)
+    assert isinstance(AutoModel.from_config(model.config), DepthAdaptiveModel)
+    source, _ = make_batch()
+    with torch.no_grad():
+        assert torch.equal(model.generate(source, max_new_tokens=6), loaded.generate(source, max_new_tokens=6))
+
+
+def test_bad_exit_settings_raise_clear_errors():
+    model = make_model()
+    source, _ = make_batch()
+    with pytest.raises(ValueError, match="halting_mechanism"):
+        model.generate(source, max_new_tokens=3, exit_strategy="halting")
+    with pytest.raises(ValueError, match="fixed_exit"):
+        model.generate(source, max_new_tokens=3, exit_strategy="fixed", fixed_exit=4)
+    with pytest.raises(ValueError, match="thresholds"):
+        model.generate(source, max_new_tokens=3, exit_strategy="confidence", exit_thresholds=[0.5])
+    with pytest.raises(ValueError, match="exit_strategy"):
+        model.generate(source, max_new_tokens=3, exit_strategy="maybe")
+
+
+def test_bfloat16_generation_runs():
+    model = make_model(halting_mechanism="token_geometric").to(torch.bfloat16)
+    source, _ = make_batch()
+    with torch.no_grad():
+        output = model.generate(source, max_new_tokens=5, num_beams=2, return_exits=True)
+    assert output.sequences.dtype == torch.long and output.exits.max() <= 3
