@@ -129,6 +129,35 @@ def order_syntax_tree(words: Sequence[str], nlp) -> list[int]:
     return order_from_dependency_heads([token.head.i for token in doc])
 
 
+def group_subword_tokens(tokens: Sequence[str]) -> list[list[int]]:
+    """Token indices grouped into words: a piece starting with ``Ġ`` (byte-level BPE) or ``▁`` (SentencePiece), or
+    following a piece ending in ``@@`` (subword-nmt) continues or starts words as those schemes define."""
+    words: list[list[int]] = []
+    for index, token in enumerate(tokens):
+        starts_word = (
+            not words
+            or token.startswith(("Ġ", "▁"))
+            or (not tokens[index - 1].endswith("@@") and not any(t.startswith(("Ġ", "▁")) for t in tokens))
+        )
+        if starts_word:
+            words.append([index])
+        else:
+            words[-1].append(index)
+    return words
+
+
+def order_syntax_tree_subwords(tokens: Sequence[str], nlp, to_text=None) -> list[int]:
+    """SYN for subword tokens: parse the words they form, visit words top-down (Table 1) and emit each word's
+    pieces left to right. ``to_text`` turns a word's pieces into its text (default: strip the markers)."""
+    groups = group_subword_tokens(tokens)
+
+    def default_text(pieces):
+        return "".join(piece.lstrip("Ġ▁").removesuffix("@@") for piece in pieces) or "_"
+
+    words = [(to_text or default_text)([tokens[i] for i in group]).strip() or "_" for group in groups]
+    return [index for word in order_syntax_tree(words, nlp) for index in groups[word]]
+
+
 def common_token_ids_by_frequency(corpus: Iterable[Sequence[int]], exclude: Iterable[int] = ()) -> set[int]:
     """CF/RF cutoff (Sec. 5.1, Ford et al. 2018): the most frequent ids covering about half of all tokens.
 
@@ -234,7 +263,7 @@ class InDIGODataCollator:
             return order_frequency_first(words, self.common_token_ids, common_first=self.order == "cf")
         if self.order == "syn":
             tokens = self.tokenizer.convert_ids_to_tokens(words)
-            return order_syntax_tree(tokens, self.spacy_nlp)
+            return order_syntax_tree_subwords(tokens, self.spacy_nlp, self.tokenizer.convert_tokens_to_string)
         raise ValueError(f"order {self.order!r} has no pre-defined permutation")
 
     def _pad(self, rows: list[list[int]], value: int) -> torch.Tensor:

@@ -309,6 +309,11 @@ def run(spec, model_args, data_args, training_args, method_args, extra_callbacks
 
     with training_args.main_process_first(desc="tokenizing"):
         tokenized = tokenize_corpus(corpus, source_tokenizer, target_tokenizer, data_args)
+    if training_args.do_train and len(tokenized["train"]) == 0:
+        raise ValueError(
+            f"No training pairs left: all {len(corpus['train'])} are longer than --max_source_length "
+            f"{data_args.max_source_length} / --max_target_length {data_args.max_target_length} tokens"
+        )
     train_dataset = _limit(tokenized["train"], data_args.max_train_samples)
     eval_dataset = _limit(tokenized["validation"], data_args.max_eval_samples)
     test_dataset = _limit(tokenized["test"], data_args.max_predict_samples)

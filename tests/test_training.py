@@ -1,0 +1,246 @@
+"""Pipeline training/decoding: registry contract, fairseq schedule, loss goes down, exact resume, decode command,
+and the README main job in smoke mode."""
+
+import json
+import math
+import sysconfig
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import TrainerCallback, get_scheduler
+
+from training_scripts import decode, train
+from training_scripts.arguments import DataArguments, parse_config_overrides
+from training_scripts.model_registry import MethodSpec, available_model_types, get_method_spec
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+SOURCES = [
+    str(STDLIB / name)
+    for name in ("_collections_abc.py", "genericpath.py", "posixpath.py", "textwrap.py", "json/decoder.py", "json/encoder.py", "abc.py", "string.py")
+]
+TINY = (
+    "encoder_embed_dim=32,decoder_embed_dim=32,encoder_ffn_embed_dim=64,decoder_ffn_embed_dim=64,"
+    "encoder_layers=1,decoder_layers=1,encoder_attention_heads=2,decoder_attention_heads=2,dropout=0.1"
+)
+
+
+@pytest.fixture(autouse=True)
+def _offline_private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("FLEXFORMERS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+
+
+def tiny_argv(output_dir, *extra):
+    return [
+        "--model_type", "flexformer", "--preset", "transformer_codegen_small", "--config_overrides", TINY,
+        "--python_source_dirs", *SOURCES, "--vocab_size", "300",
+        "--max_source_length", "96", "--max_target_length", "96",
+        "--output_dir", str(output_dir), "--do_train", "--per_device_train_batch_size", "4",
+        "--learning_rate", "3e-3", "--warmup_steps", "2", "--eval_strategy", "no",
+        "--report_to", "none", "--disable_tqdm", "true", "--seed", "7", "--use_cpu", "true",
+        *extra,
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------- registry
+def test_registry_contract():
+    assert "flexformer" in available_model_types()
+    spec = get_method_spec("flexformer")
+    assert spec.model_type == "flexformer" and spec.config_class.model_type == "flexformer"
+    with pytest.raises(ValueError, match="Unknown --model_type 'transformer_xl'; available: .*flexformer"):
+        get_method_spec("transformer_xl")
+    with pytest.raises(ValueError, match="not a valid model type"):
+        get_method_spec("../evil")
+    with pytest.raises(ValueError, match="arguments_class .* must be a dataclass"):
+        MethodSpec("x", object, object, arguments_class=int)
+    with pytest.raises(ValueError, match="callbacks .* must be callable"):
+        MethodSpec("x", object, object, callbacks=3)
+
+
+def test_registry_rejects_a_module_without_spec(monkeypatch):
+    import sys
+
+    from training_scripts import model_registry
+
+    module = types.ModuleType("training_scripts.methods.fake")
+    module.SPEC = "not a spec"
+    monkeypatch.setitem(sys.modules, "training_scripts.methods.fake", module)
+    monkeypatch.setattr(model_registry, "available_model_types", lambda: ["fake", "flexformer"])
+    with pytest.raises(ValueError, match="must define SPEC = MethodSpec"):
+        get_method_spec("fake")
+
+
+def test_method_hooks_are_used(tmp_path):
+    """A method's arguments class, config hook, model builder, collator and callbacks all reach the Trainer."""
+    import dataclasses
+
+    from transformers import DataCollatorForSeq2Seq
+
+    base = get_method_spec("flexformer")
+    seen = {}
+
+    @dataclasses.dataclass
+    class ExtraArguments:
+        my_temperature: float = 1.0
+
+    class Recorder(TrainerCallback):
+        def on_train_end(self, args, state, control, model=None, **kwargs):
+            seen["steps"] = state.global_step
+
+    def build_model(model_args, method_args, config, tokenizer):
+        seen["temperature"] = method_args.my_temperature
+        seen["layers"] = config.encoder_layers
+        return base.model_class(config)
+
+    def collator(tokenizer, model, method_args):
+        seen["collator"] = True
+        return DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
+
+    def update_config(config, method_args):
+        config.encoder_layers = 2
+        return config
+
+    spec = MethodSpec("flexformer", base.config_class, base.model_class, arguments_class=ExtraArguments,
+                      build_model=build_model, data_collator=collator, callbacks=lambda a: [Recorder()],
+                      update_config=update_config)
+    import training_scripts.train as train_module
+
+    original = train_module.get_method_spec
+    train_module.get_method_spec = lambda name: spec
+    try:
+        parsed = train.parse_arguments(tiny_argv(tmp_path / "hooks", "--max_steps", "2", "--my_temperature", "0.5"))
+    finally:
+        train_module.get_method_spec = original
+    train.run(*parsed)
+    assert seen == {"temperature": 0.5, "layers": 2, "collator": True, "steps": 2}
+
+
+def test_config_overrides_parsing_and_label_smoothing_guard():
+    assert parse_config_overrides("dropout=0.1, encoder_layers=2,share_all_embeddings=false,activation_function=gelu,x=None") == {
+        "dropout": 0.1, "encoder_layers": 2, "share_all_embeddings": False, "activation_function": "gelu", "x": None,
+    }
+    with pytest.raises(ValueError, match="expected key=value"):
+        parse_config_overrides("dropout")
+    with pytest.raises(ValueError, match="label_smoothing_factor"):
+        train.parse_arguments(["--label_smoothing_factor", "0.1"])
+    with pytest.raises(ValueError, match="--task must be one of"):
+        DataArguments(task="poetry")
+
+
+def test_fairseq_defaults_and_inverse_sqrt_matches_fairseq():
+    _, model_args, data_args, args, _ = train.parse_arguments(["--output_dir", "unused"])
+    assert (args.learning_rate, args.adam_beta1, args.adam_beta2, args.weight_decay, args.warmup_steps) == (5e-4, 0.9, 0.98, 1e-4, 4000)
+    assert args.lr_scheduler_type == "inverse_sqrt" and args.train_sampling_strategy == "group_by_length"
+    assert model_args.label_smoothing == 0.1 and args.label_smoothing_factor == 0
+    assert args.predict_with_generate and args.metric_for_best_model == "bleu" and args.load_best_model_at_end
+
+    lr, warmup = 5e-4, 40
+    optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    scheduler = get_scheduler("inverse_sqrt", optimizer, num_warmup_steps=warmup)
+    for update in range(1, 4 * warmup):
+        # fairseq inverse_sqrt (warmup_init_lr=0): the lr of update n is set by step_update(n - 1)
+        previous = update - 1
+        expected = lr * previous / warmup if previous < warmup else lr * math.sqrt(warmup) / math.sqrt(previous)
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(expected, rel=1e-12, abs=1e-15)
+        optimizer.step()
+        scheduler.step()
+
+
+# ---------------------------------------------------------------------------------------------------- training
+def test_a_few_steps_lower_the_loss_and_produce_a_loadable_model(tmp_path):
+    out = tmp_path / "run"
+    results = train.run_from_argv(tiny_argv(out, "--max_steps", "60", "--logging_steps", "1"))
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    losses = [entry["loss"] for entry in history if "loss" in entry]
+    assert len(losses) == 60
+    assert sum(losses[-10:]) / 10 < sum(losses[:5]) / 5 - 0.5  # starts near ln(300) = 5.7
+    assert results["train"]["train_samples"] > 10
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "flexformers_data_args.json"):
+        assert (out / name).is_file()
+    config = json.loads((out / "config.json").read_text())
+    assert config["label_smoothing"] == 0.1 and config["vocab_size"] == 300 and config["model_type"] == "flexformer"
+
+    results = decode.run_from_argv(["--model_name_or_path", str(out), "--split", "validation", "--num_beams", "2",
+                                    "--max_new_tokens", "8", "--max_samples", "4", "--num_samples_to_print", "1"])
+    stored = json.loads((out / "eval_results.json").read_text())
+    assert stored == json.loads(json.dumps(results))
+    assert {"task", "dataset", "split", "metrics", "sacrebleu_signature", "num_beams", "length_penalty"} <= set(stored)
+    assert set(stored["metrics"]) == {"bleu", "chrf", "ter", "pov"}
+    assert stored["task"] == "codegen" and stored["split"] == "validation" and stored["num_beams"] == 2
+    assert stored["throughput"]["sentences_per_second"] > 0
+    lines = (out / "generations.validation.txt").read_text().splitlines()
+    assert len(lines) == 4
+
+    quick = decode.run_from_argv(["--model_name_or_path", str(out), "--text", "Return the value.", "--text", "Wrap text.",
+                                  "--num_beams", "1", "--max_new_tokens", "5"])
+    assert len(quick["hypotheses"]) == 2
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+        return control
+
+
+def test_resume_continues_exactly(tmp_path):
+    common = ("--max_steps", "9", "--save_strategy", "steps", "--save_steps", "4", "--logging_steps", "1")
+    train.run_from_argv(tiny_argv(tmp_path / "straight", *common))
+    parsed = train.parse_arguments(tiny_argv(tmp_path / "interrupted", *common))
+    train.run(*parsed, extra_callbacks=[StopAt(4)])
+    assert (tmp_path / "interrupted" / "checkpoint-4").is_dir()
+    train.run_from_argv(tiny_argv(tmp_path / "interrupted", *common, "--resume_from_checkpoint", "latest"))
+
+    straight = load_file(str(tmp_path / "straight" / "model.safetensors"))
+    resumed = load_file(str(tmp_path / "interrupted" / "model.safetensors"))
+    assert straight.keys() == resumed.keys()
+    for name in straight:
+        torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=1e-6, msg=name)
+    history = lambda run: [e["loss"] for e in json.loads((tmp_path / run / "trainer_state.json").read_text())["log_history"] if "loss" in e]  # noqa: E731
+    assert history("interrupted")[-5:] == pytest.approx(history("straight")[-5:], abs=1e-5)
+
+
+def test_bad_inputs_fail_early_with_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="--task files needs --train_file"):
+        train.parse_arguments(["--task", "files", "--output_dir", str(tmp_path)])
+    (tmp_path / "bad.tsv").write_bytes(b"source\ttarget\nB\xe4r\tbear\n")
+    with pytest.raises(ValueError, match=r"bad.tsv, line 2: not valid UTF-8"):
+        train.run_from_argv(tiny_argv(tmp_path / "o", "--task", "files", "--train_file", str(tmp_path / "bad.tsv"), "--max_steps", "1"))
+    with pytest.raises(ValueError, match="preset: unknown architecture"):
+        train.run_from_argv(tiny_argv(tmp_path / "p", "--preset", "transformer_huge", "--max_steps", "1"))
+    with pytest.raises(ValueError, match="--resume_from_checkpoint latest: no checkpoint"):
+        train.run_from_argv(tiny_argv(tmp_path / "q", "--resume_from_checkpoint", "latest"))
+    with pytest.raises(ValueError, match="has no config.json"):
+        decode.run_from_argv(["--model_name_or_path", str(tmp_path)])
+
+
+def test_user_tsv_with_separate_vocabularies(tmp_path):
+    rows = [f"open file {i}\tDatei {i} öffnen" for i in range(40)] + [f"close window {i}\tFenster {i} schließen" for i in range(40)]
+    (tmp_path / "train.tsv").write_text("src\ttgt\n" + "\n".join(rows) + "\n")
+    out = tmp_path / "sep"
+    train.run_from_argv(tiny_argv(out, "--task", "files", "--train_file", str(tmp_path / "train.tsv"), "--source_column", "src",
+                                  "--target_column", "tgt", "--joint_vocab", "false", "--vocab_size", "280",
+                                  "--target_vocab_size", "290", "--max_steps", "3", "--save_strategy", "steps", "--save_steps", "3"))
+    config = json.loads((out / "config.json").read_text())
+    assert config["vocab_size"] == 280 and config["target_vocab_size"] == 290 and not config["share_all_embeddings"]
+    assert (out / "checkpoint-3" / "source_tokenizer" / "tokenizer.json").is_file()
+    results = decode.run_from_argv(["--model_name_or_path", str(out / "checkpoint-3"), "--num_beams", "1", "--max_new_tokens", "4"])
+    assert results["dataset"] == "train.tsv" and "pov" not in results["metrics"]
+
+
+@pytest.mark.slow
+def test_quickstart_smoke(tmp_path, capsys):
+    from training_scripts import quickstart
+
+    result = quickstart.run_from_argv(["--smoke", "--output_dir", str(tmp_path / "qs")])
+    printed = capsys.readouterr().out
+    assert "REFERENCE:" in printed and "GENERATED:" in printed and "sacrebleu signature:" in printed
+    assert set(result["eval"]["metrics"]) == {"bleu", "chrf", "ter", "pov"}
+    assert (tmp_path / "qs" / "eval_results.json").is_file() and (tmp_path / "qs" / "model.safetensors").is_file()
