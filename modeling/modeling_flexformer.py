@@ -226,7 +226,7 @@ class StepKVCollector:
             return None, None
         if rows is None:
             return layer.keys, layer.values
-        return layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+        return _index_rows(layer.keys, rows), _index_rows(layer.values, rows)
 
     def add(self, rows: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor) -> None:
         if rows is None:
@@ -237,9 +237,13 @@ class StepKVCollector:
             shape = (self.batch_size, *keys.shape[1:])
             self.keys = keys.new_zeros(shape)
             self.values = values.new_zeros(shape)
-        self.keys = self.keys.index_copy(0, rows, keys)
-        self.values = self.values.index_copy(0, rows, values)
-        self._rows_written += rows.shape[0]
+        if isinstance(rows, slice):  # a contiguous block of rows: write in place into this step's own buffer
+            self.keys[rows] = keys
+            self.values[rows] = values
+        else:
+            self.keys = self.keys.index_copy(0, rows, keys)
+            self.values = self.values.index_copy(0, rows, values)
+        self._rows_written += keys.shape[0]
 
     def flush(self) -> None:
         if self.keys is None:
@@ -260,10 +264,56 @@ def _self_attention_cache(past_key_values: Cache | None) -> Cache | None:
     return past_key_values
 
 
-def _index_rows(tensor: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
+def _index_rows(tensor: torch.Tensor | None, rows: torch.Tensor | slice | None) -> torch.Tensor | None:
+    """The batch rows `rows` of `tensor`: a LongTensor of rows (a copy) or a `slice` of contiguous rows (a view)."""
     if tensor is None or rows is None or tensor.shape[0] == 1:
         return tensor
+    if isinstance(rows, slice):
+        return tensor[rows]
     return tensor.index_select(0, rows)
+
+
+class SourceGroupedCache(EncoderDecoderCache):
+    """An `EncoderDecoderCache` whose cross-attention keys/values are stored once per source sentence instead of
+    once per beam (or per returned sample).
+
+    `generate()` repeats every source `group_size` times (`max(num_beams, num_return_sequences)`); the copies are
+    identical, so the cross-attention folds a group's queries into the query axis of one sentence's keys. Beam
+    search only moves hypotheses within their own sentence, so `reorder_cache` leaves the cross-attention part
+    alone — the standard cache would copy `group_size ×` the encoder keys/values of every layer at every step.
+    """
+
+    def __init__(self, self_attention_cache: Cache, cross_attention_cache: Cache, group_size: int = 1):
+        super().__init__(self_attention_cache, cross_attention_cache)
+        self.group_size = group_size
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.self_attention_cache.reorder_cache(beam_idx)
+
+    def _ungroup(self) -> None:
+        if self.group_size == 1:
+            return
+        for layer in self.cross_attention_cache.layers:
+            if layer.is_initialized and layer.keys is not None and layer.keys.numel():
+                layer.keys = layer.keys.repeat_interleave(self.group_size, dim=0)
+                layer.values = layer.values.repeat_interleave(self.group_size, dim=0)
+        self.group_size = 1
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._ungroup()
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._ungroup()
+        super().batch_select_indices(indices)
+
+
+def _fold_groups(tensor: torch.Tensor, group: int) -> torch.Tensor:
+    """[B·g, H, q, d] → [B, H, g·q, d]: the g copies of a sentence become extra query positions."""
+    batch, heads, q_len, dim = tensor.shape
+    return tensor.view(batch // group, group, heads, q_len, dim).transpose(1, 2).reshape(
+        batch // group, heads, group * q_len, dim
+    )
 
 
 class FlexformerAttention(nn.Module):
@@ -329,16 +379,22 @@ class FlexformerAttention(nn.Module):
         return self._split_heads(self.k_proj(states)), self._split_heads(self.v_proj(states))
 
     def _cross_key_value(self, encoder_states, past_key_values, rows):
+        """Cross-attention keys/values for the rows (all rows if `rows` is None). With a `SourceGroupedCache`
+        whose group is > 1 and `rows` None, they come back per source sentence (`[batch / group, ...]`)."""
         if isinstance(past_key_values, EncoderDecoderCache):
             cross_cache = past_key_values.cross_attention_cache
+            group = getattr(past_key_values, "group_size", 1)
             if past_key_values.is_updated.get(self.layer_idx):
                 layer = cross_cache.layers[self.layer_idx]
                 keys, values = layer.keys, layer.values
             else:
-                # Encoder states are projected once, for the whole batch, and reused at every step.
-                keys, values = self.project_key_value(encoder_states)
+                # Encoder states are projected once (one copy per sentence when grouped) and reused at every step.
+                keys, values = self.project_key_value(encoder_states[::group] if group > 1 else encoder_states)
                 keys, values = cross_cache.update(keys, values, self.layer_idx)
                 past_key_values.is_updated[self.layer_idx] = True
+            if group > 1 and rows is not None:
+                sentence_rows = torch.div(rows, group, rounding_mode="floor")
+                return keys.index_select(0, sentence_rows), values.index_select(0, sentence_rows)
             return _index_rows(keys, rows), _index_rows(values, rows)
         return self.project_key_value(_index_rows(encoder_states, rows))
 
@@ -378,6 +434,12 @@ class FlexformerAttention(nn.Module):
                 past_length = self_cache.get_seq_length(self.layer_idx)
                 key, value = self_cache.update(key, value, self.layer_idx)
         attention_mask = _index_rows(attention_mask, rows)
+        group = 1
+        if self.is_cross_attention and rows is None and key.shape[0] != batch:
+            group = batch // key.shape[0]
+            query = _fold_groups(query, group)
+            if attention_mask is not None:
+                attention_mask = attention_mask[::group]
         position_bias = self.relative_position_bias(query, rows=rows, **kwargs)
         implementation = self.config._attn_implementation or "eager"
         attention_function: Callable = (
@@ -396,6 +458,11 @@ class FlexformerAttention(nn.Module):
             is_causal=self.is_causal and attention_mask is None and q_len > 1 and past_length == 0,
             position_bias=position_bias,
         )
+        if group > 1:  # unfold: [B, g·q, H, d] → [B·g, q, H, d]
+            output = output.reshape(batch, q_len, self.total_heads, self.head_dim)
+            if weights is not None:
+                weights = weights.view(batch // group, self.total_heads, group, q_len, -1).transpose(1, 2)
+                weights = weights.reshape(batch, self.total_heads, q_len, -1)
         head_weights = self.head_weights(batch, output.device, output.dtype)
         if head_weights is not None:
             output = output * head_weights.view(-1, 1, self.total_heads, 1)
@@ -445,8 +512,13 @@ class PerRowSublayerOrder:
     orders: Sequence[tuple[str, ...]]
 
     @cached_property
-    def stage_plan(self) -> list[list[tuple[str, torch.Tensor | None]]]:
-        """For each stage s: the (sub-layer, rows) pairs that run at s; `rows=None` when every row runs it."""
+    def stage_plan(self) -> list[list[tuple[str, torch.Tensor | slice | None]]]:
+        """For each stage s: the (sub-layer, rows) pairs that run at s; `rows=None` when every row runs it.
+
+        Rows that form one contiguous block are a `slice` (views instead of copies of the hidden states, the cache
+        and the encoder states; sort the batch by order to get them). An attention sub-layer whose rows form a
+        few (≤ number of orders) contiguous blocks runs once per block, so its cache rows are never copied.
+        """
         num_stages = len(self.orders[0])
         if any(len(order) != num_stages for order in self.orders):
             raise ValueError(f"orders must all have the same length, got {list(self.orders)}")
@@ -463,12 +535,28 @@ class PerRowSublayerOrder:
                 if rows.numel() == stage_codes.numel():
                     entries.append((name, None))
                 elif rows.numel() > 0:
-                    entries.append((name, rows))
+                    blocks = _contiguous_blocks(rows)
+                    if len(blocks) == 1 or (name != "ffn" and len(blocks) <= len(self.orders)):
+                        entries.extend((name, block) for block in blocks)
+                    else:
+                        entries.append((name, rows))
             plan.append(entries)
         return plan
 
     def select(self, rows: torch.Tensor) -> "PerRowSublayerOrder":
         return PerRowSublayerOrder(self.order_index.index_select(0, rows), self.orders)
+
+
+def _contiguous_blocks(rows: torch.Tensor) -> list[slice]:
+    """Sorted row indices → the maximal runs of consecutive rows, as slices (one host sync, at planning time)."""
+    values = rows.tolist()
+    blocks, start = [], values[0]
+    for previous, current in zip(values, values[1:]):
+        if current != previous + 1:
+            blocks.append(slice(start, previous + 1))
+            start = current
+    blocks.append(slice(start, values[-1] + 1))
+    return blocks
 
 
 def _check_order(order: Sequence[str], allowed: tuple[str, ...]) -> None:
@@ -516,6 +604,17 @@ class _ReorderableLayer(GradientCheckpointingLayer):
         if self_cache is not None and "self_attn" in self.default_order and self.self_attn.layer_idx is not None:
             collector = StepKVCollector(self_cache, self.self_attn.layer_idx, hidden_states.shape[0])
         for stage in sublayer_order.stage_plan:
+            if len(stage) > 1 and all(isinstance(rows, slice) for _, rows in stage):
+                # The stage's blocks partition the batch: compute each on a view, concatenate once.
+                pieces = []
+                for name, rows in sorted(stage, key=lambda entry: entry[1].start):
+                    updated, _ = self._sublayer(name)(
+                        hidden_states[rows], past_key_values=past_key_values, rows=rows, kv_collector=collector,
+                        **kwargs,
+                    )
+                    pieces.append(updated)
+                hidden_states = torch.cat(pieces, dim=0)
+                continue
             for name, rows in stage:
                 compute = self._sublayer(name)
                 if rows is None:
@@ -524,13 +623,18 @@ class _ReorderableLayer(GradientCheckpointingLayer):
                     )
                 else:
                     updated, _ = compute(
-                        hidden_states.index_select(0, rows),
+                        _index_rows(hidden_states, rows),
                         past_key_values=past_key_values,
                         rows=rows,
                         kv_collector=collector,
                         **kwargs,
                     )
-                    hidden_states = hidden_states.index_copy(0, rows, updated)
+                    if isinstance(rows, slice):
+                        hidden_states = torch.cat(
+                            [hidden_states[: rows.start], updated, hidden_states[rows.stop :]], dim=0
+                        )
+                    else:
+                        hidden_states = hidden_states.index_copy(0, rows, updated)
         if collector is not None:
             collector.flush()
         return hidden_states, weights
@@ -1127,6 +1231,16 @@ class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, GenerationMi
     def get_decoder(self):
         return self.model.decoder
 
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """Use a `SourceGroupedCache` when `generate()` repeats each source (beams or several samples)."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get("past_key_values")
+        group = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+        if type(cache) is EncoderDecoderCache and group > 1 and not getattr(cache, "_is_user_defined", False):
+            model_kwargs["past_key_values"] = SourceGroupedCache(
+                cache.self_attention_cache, cache.cross_attention_cache, group
+            )
+
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
@@ -1218,6 +1332,7 @@ __all__ = [
     "LearnedPositionalEmbedding",
     "PerRowSublayerOrder",
     "SinusoidalPositionalEmbedding",
+    "SourceGroupedCache",
     "StepKVCollector",
     "label_smoothed_nll_loss",
     "make_positions",

@@ -540,3 +540,45 @@ def test_layerdrop_only_while_training():
     torch.manual_seed(0)
     outputs = {model(input_ids=source, decoder_input_ids=target).logits.sum().item() for _ in range(8)}
     assert len(outputs) > 1
+
+
+def test_source_grouped_cache_equals_per_row_cross_attention(tmp_path):
+    """Beam search's copies of a source share one set of cross-attention keys/values (SourceGroupedCache);
+    logits and attention weights equal the standard per-row cache, and reordering beams leaves them valid."""
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    from modeling.modeling_flexformer import SourceGroupedCache
+
+    tiny_model().save_pretrained(tmp_path)
+    model = FlexformerForConditionalGeneration.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    source, target = batch()
+    group = 2
+    source = source.repeat_interleave(group, dim=0)
+    target = target.repeat_interleave(group, dim=0)
+    caches = {
+        "standard": EncoderDecoderCache(DynamicCache(), DynamicCache()),
+        "grouped": SourceGroupedCache(DynamicCache(), DynamicCache(), group_size=group),
+    }
+    outputs = {}
+    with torch.no_grad():
+        for name, cache in caches.items():
+            step_logits, cross = [], []
+            encoder = None
+            for t in range(3):
+                out = model(
+                    input_ids=source if encoder is None else None,
+                    encoder_outputs=encoder,
+                    attention_mask=source.ne(PAD).long(),
+                    decoder_input_ids=target[:, t : t + 1],
+                    past_key_values=cache,
+                    use_cache=True,
+                    output_attentions=True,
+                )
+                encoder = (out.encoder_last_hidden_state,)
+                step_logits.append(out.logits)
+                cross.append(out.cross_attentions[0])
+                cache.reorder_cache(torch.tensor([1, 0, 2, 3, 5, 4]))
+            outputs[name] = (torch.cat(step_logits, 1), torch.cat(cross, 2))
+    assert caches["grouped"].cross_attention_cache.layers[0].keys.shape[0] == source.shape[0] // group
+    torch.testing.assert_close(outputs["grouped"][0], outputs["standard"][0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(outputs["grouped"][1], outputs["standard"][1], atol=1e-6, rtol=0)

@@ -1,0 +1,185 @@
+"""Baseline speed, side by side: flexformers vs HF FSMT (the Transformers port of fairseq) vs fairseq itself.
+
+All at `transformer_iwslt_de_en` dims (6+6 blocks, d=512, FFN 1024, 4 heads), joint vocabulary 10152, shared
+embeddings, batch 32 × 30 source and target tokens:
+
+- train: forward + label-smoothed loss (ε=0.1) + backward + AdamW step → target tokens/s;
+- greedy / beam-5: `generate()` forced to exactly 30 new tokens → sentences/s.
+
+Measurements are interleaved (ours, FSMT, ours, FSMT, …) and the median is reported, so both see the same
+machine state. fairseq runs in its own virtual environment (`--fairseq-python`, see NOTES.md) through
+`benchmarks/fairseq_peer.py`, in the same run, with the same shapes and thread count.
+
+    python benchmarks/bench_backbone.py [--repeats 5] [--precision fp32 bf16] [--fairseq-python /path/python]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import FSMTConfig, FSMTForConditionalGeneration
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from configuration import FlexformerConfig  # noqa: E402
+from modeling import FlexformerForConditionalGeneration  # noqa: E402
+from modeling.modeling_flexformer import label_smoothed_nll_loss  # noqa: E402
+
+VOCAB, BATCH, LENGTH = 10152, 32, 30
+
+
+def build_ours(dtype):
+    config = FlexformerConfig.from_preset("transformer_iwslt_de_en", vocab_size=VOCAB, label_smoothing=0.1)
+    return FlexformerForConditionalGeneration(config).to(dtype)
+
+
+def build_fsmt(dtype):
+    config = FSMTConfig(
+        langs=["de", "en"], src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, d_model=512, encoder_layers=6,
+        decoder_layers=6, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=1024,
+        decoder_ffn_dim=1024, dropout=0.3, tie_word_embeddings=True, max_position_embeddings=1024,
+        scale_embedding=True,
+    )
+    model = FSMTForConditionalGeneration(config).to(dtype)
+    # v5 registers FSMT's sinusoidal tables as parameters: freeze them so the optimizer does not update them.
+    for name, param in model.named_parameters():
+        if "embed_positions" in name:
+            param.requires_grad_(False)
+    return model
+
+
+def count_trainable(model):
+    return sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
+
+
+def make_batch(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    source = torch.randint(4, VOCAB, (BATCH, LENGTH), generator=generator)
+    source[:, -1] = 2
+    target = torch.randint(4, VOCAB, (BATCH, LENGTH), generator=generator)
+    target[:, -1] = 2
+    return source, target
+
+
+class TrainStep:
+    def __init__(self, model, kind, precision):
+        self.model, self.kind, self.precision = model.train(), kind, precision
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        self.source, self.labels = make_batch()
+
+    def __call__(self):
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.precision == "bf16")
+        with autocast:
+            if self.kind == "ours":
+                loss = self.model(input_ids=self.source, labels=self.labels).loss
+            else:
+                decoder_input = torch.cat([torch.full((BATCH, 1), 2), self.labels[:, :-1]], dim=1)
+                logits = self.model(input_ids=self.source, decoder_input_ids=decoder_input).logits
+                loss, _ = label_smoothed_nll_loss(logits, self.labels, 0.1)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def generate_fn(model, num_beams):
+    source, _ = make_batch(1)
+    model = model.eval()
+
+    def run():
+        with torch.inference_mode():
+            out = model.generate(
+                source, attention_mask=source.ne(1).long(), num_beams=num_beams, max_new_tokens=LENGTH,
+                min_new_tokens=LENGTH, do_sample=False, early_stopping=False, length_penalty=1.0,
+            )
+        assert out.shape[1] == LENGTH + 1, out.shape
+
+    return run
+
+
+def timed(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def interleaved(functions: dict, repeats: int, warmup: int = 1) -> dict[str, float]:
+    for fn in functions.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in functions}
+    for _ in range(repeats):
+        for name, fn in functions.items():
+            times[name].append(timed(fn))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def run_fairseq(python: str, precision: str, repeats: int, threads: int) -> dict | None:
+    peer = Path(__file__).with_name("fairseq_peer.py")
+    env = dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1", OMP_NUM_THREADS=str(threads))
+    result = subprocess.run(
+        [python, str(peer), "--precision", precision, "--repeats", str(repeats), "--threads", str(threads)],
+        capture_output=True, text=True, env=env,
+    )
+    if result.returncode != 0:
+        print(f"fairseq peer failed:\n{result.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
+    parser.add_argument("--fairseq-python", default=os.environ.get("FAIRSEQ_PYTHON"))
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    results = {}
+    for precision in args.precision:
+        # Training runs fp32 weights (+ autocast for bf16); inference casts the weights (NOTES: autocast re-casts
+        # every decoding step).
+        ours, fsmt = build_ours(torch.float32), build_fsmt(torch.float32)
+        print(f"parameters: ours {count_trainable(ours):,}  FSMT {count_trainable(fsmt):,}", flush=True)
+        train = interleaved(
+            {"ours": TrainStep(ours, "ours", precision), "fsmt": TrainStep(fsmt, "fsmt", precision)}, args.repeats
+        )
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        ours, fsmt = ours.to(dtype), fsmt.to(dtype)
+        greedy = interleaved({"ours": generate_fn(ours, 1), "fsmt": generate_fn(fsmt, 1)}, args.repeats)
+        beam = interleaved({"ours": generate_fn(ours, 5), "fsmt": generate_fn(fsmt, 5)}, max(2, args.repeats // 2))
+        rows = {
+            system: {
+                "train_tok_s": BATCH * LENGTH / train[system],
+                "greedy_sent_s": BATCH / greedy[system],
+                "beam5_sent_s": BATCH / beam[system],
+            }
+            for system in ("ours", "fsmt")
+        }
+        if args.fairseq_python:
+            peer = run_fairseq(args.fairseq_python, precision, args.repeats, args.threads)
+            if peer is not None:
+                rows["fairseq"] = peer
+        results[precision] = rows
+        print(f"\n[{precision}] {args.threads} threads, batch {BATCH} x {LENGTH}")
+        print(f"{'system':10s} {'train tok/s':>12s} {'greedy sent/s':>14s} {'beam-5 sent/s':>14s}")
+        for system, row in rows.items():
+            print(f"{system:10s} {row['train_tok_s']:12.0f} {row['greedy_sent_s']:14.1f} {row['beam5_sent_s']:14.2f}")
+        best = {k: max(rows[s][k] for s in rows if s != "ours") for k in rows["ours"]}
+        print("ours / best peer: " + "  ".join(f"{k} {rows['ours'][k] / best[k]:.2f}x" for k in best), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

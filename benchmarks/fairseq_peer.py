@@ -1,0 +1,109 @@
+"""fairseq's own numbers for `bench_backbone.py` (run with the python of a venv holding fairseq-fixed==0.12.3.1).
+
+Same shapes as the flexformers side: transformer_iwslt_de_en, shared embeddings, joint dictionary of 10152,
+batch 32 × 30; training = forward + fairseq's label-smoothed loss (ε=0.1) + backward + AdamW step; generation =
+fairseq's SequenceGenerator with 30 decoder steps (29 forced tokens + forced </s>, the same number of decoder
+forwards as `generate(max_new_tokens=30)`). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import types
+
+import torch
+from fairseq import options
+from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
+from fairseq.data import Dictionary
+from fairseq.models.transformer import TransformerModel
+from fairseq.sequence_generator import SequenceGenerator
+
+VOCAB, BATCH, LENGTH = 10152, 32, 30
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    cli = parser.parse_args()
+    torch.set_num_threads(cli.threads)
+    torch.manual_seed(0)
+
+    dictionary = Dictionary()
+    for i in range(VOCAB - len(dictionary)):
+        dictionary.add_symbol(f"w{i}")
+    assert len(dictionary) == VOCAB
+    train_parser = options.get_training_parser()
+    args = options.parse_args_and_arch(
+        train_parser,
+        ["/nonexistent", "--task", "translation", "--arch", "transformer_iwslt_de_en", "--share-all-embeddings",
+         "--dropout", "0.3", "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"],
+    )
+    task = types.SimpleNamespace(source_dictionary=dictionary, target_dictionary=dictionary)
+    model = TransformerModel.build_model(args, task)
+    parameters = sum(p.numel() for p in model.parameters())
+
+    generator = torch.Generator().manual_seed(0)
+    source = torch.randint(4, VOCAB, (BATCH, LENGTH), generator=generator)
+    source[:, -1] = dictionary.eos()
+    target = torch.randint(4, VOCAB, (BATCH, LENGTH), generator=generator)
+    target[:, -1] = dictionary.eos()
+    previous = torch.cat([torch.full((BATCH, 1), dictionary.eos()), target[:, :-1]], dim=1)
+    lengths = torch.full((BATCH,), LENGTH)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def train_step():
+        model.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cli.precision == "bf16"):
+            net_output = model(source, lengths, previous)
+            log_probs = model.get_normalized_probs(net_output, log_probs=True).float()
+            loss, _ = label_smoothed_nll_loss(
+                log_probs.view(-1, VOCAB), target.view(-1), 0.1, ignore_index=dictionary.pad()
+            )
+        (loss / target.numel()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def timed(fn, repeats):
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    train_time = timed(train_step, cli.repeats)
+    if cli.precision == "bf16":
+        model = model.to(torch.bfloat16)
+    model.eval()
+    sample = {"net_input": {"src_tokens": source, "src_lengths": lengths}}
+
+    def generate(beam):
+        sequence_generator = SequenceGenerator(
+            [model], dictionary, beam_size=beam, max_len_a=0, max_len_b=LENGTH - 1, min_len=LENGTH - 1
+        )
+
+        def run():
+            with torch.inference_mode():
+                hypotheses = sequence_generator.generate([model], sample)
+            assert len(hypotheses[0][0]["tokens"]) == LENGTH
+
+        return run
+
+    greedy_time = timed(generate(1), cli.repeats)
+    beam_time = timed(generate(5), max(2, cli.repeats // 2))
+    print(json.dumps({
+        "train_tok_s": BATCH * LENGTH / train_time,
+        "greedy_sent_s": BATCH / greedy_time,
+        "beam5_sent_s": BATCH / beam_time,
+        "parameters": parameters,
+    }))
+
+
+if __name__ == "__main__":
+    main()
