@@ -11,7 +11,7 @@ import math
 
 from huggingface_hub.dataclasses import strict
 
-from .configuration_flexformer import FlexformerConfig
+from .configuration_flexformer import PRESETS, FlexformerConfig
 
 EXIT_CLASSIFIER_MODES = ("independent", "shared")
 TRAINING_MODES = ("aligned", "mixed")
@@ -20,6 +20,31 @@ EXIT_LOSS_WEIGHTINGS = ("uniform", "n", "sqrt_n", "inv_sqrt_n", "inv_n")
 HALTING_MECHANISMS = ("none", "sequence", "token_multinomial", "token_geometric")
 ORACLES = ("likelihood", "correctness")
 EXIT_STRATEGIES = ("full", "fixed", "confidence", "halting")
+
+# The paper's architectures (Sec. 4.1). IWSLT'14 De-En: N = 6 blocks, FFN 1024, 4 heads, dropout 0.3,
+# d_enc = 512, d_dec = 256, untied embeddings and 6 independent output classifiers. WMT'14 En-Fr: Transformer big
+# with the encoder, decoder and all output classifiers tied. Plus a small 6-block model for CPU experiments on
+# the code-generation corpus (d = 256 like the IOT/MAT code-generation model, six decoder blocks to exit from).
+DEPTH_ADAPTIVE_PRESETS: dict[str, dict] = {
+    "depth_adaptive_iwslt_de_en": {
+        **PRESETS["transformer_iwslt_de_en"],
+        "decoder_embed_dim": 256,
+        "share_all_embeddings": False,
+        "share_decoder_input_output_embed": False,
+        "exit_classifiers": "independent",
+    },
+    "depth_adaptive_wmt_en_fr_big": {
+        **PRESETS["transformer_vaswani_wmt_en_de_big"],
+        "share_all_embeddings": True,
+        "exit_classifiers": "shared",
+    },
+    "depth_adaptive_codegen_small": {
+        **PRESETS["transformer_codegen_small"],
+        "decoder_layers": 6,
+        "share_all_embeddings": True,
+        "exit_classifiers": "independent",
+    },
+}
 
 
 def validate_exit_thresholds(thresholds, num_exits: int, field: str = "exit_thresholds") -> list[float]:
@@ -160,6 +185,18 @@ class DepthAdaptiveConfig(FlexformerConfig):
                 self.exit_thresholds, self.decoder_layers, "DepthAdaptiveConfig.exit_thresholds"
             )
 
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "DepthAdaptiveConfig":
+        """A backbone preset (``PRESETS``) or one of the paper's architectures (``DEPTH_ADAPTIVE_PRESETS``), then
+        ``overrides``."""
+        if name in DEPTH_ADAPTIVE_PRESETS:
+            return cls(**{**DEPTH_ADAPTIVE_PRESETS[name], **overrides})
+        if name not in PRESETS:
+            raise ValueError(
+                f"preset: unknown architecture {name!r}; choose one of {sorted(PRESETS) + sorted(DEPTH_ADAPTIVE_PRESETS)}"
+            )
+        return cls(**{**PRESETS[name], **overrides})
+
     @property
     def num_exits(self) -> int:
         """N, the number of decoder blocks and exits."""
@@ -177,6 +214,7 @@ class DepthAdaptiveConfig(FlexformerConfig):
 
 
 __all__ = [
+    "DEPTH_ADAPTIVE_PRESETS",
     "DepthAdaptiveConfig",
     "EXIT_CLASSIFIER_MODES",
     "EXIT_LOSS_WEIGHTINGS",
