@@ -47,5 +47,8 @@ __all__ = [
     "FlexformerForConditionalGeneration",
     "FlexformerModel",
     "FlexformerPreTrainedModel",
+    "MATConfig",
+    "MATForConditionalGeneration",
+    "MATModel",
     "PerRowSublayerOrder",
 ]
