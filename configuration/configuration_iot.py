@@ -88,6 +88,11 @@ class IOTConfig(FlexformerConfig):
         weight_smoothing_loss (`bool`, defaults to `True`): the confidences weight the whole label-smoothed
             loss of a path (the paper's Eq. 3); `False` = the official code, which weights the NLL term and
             sums the label-smoothing term of all paths unweighted.
+
+    Speed:
+        batch_order_paths (`bool`, defaults to `True`): in training, run the decoder once over all M·N order
+            paths stacked along the batch dimension (one `PerRowSublayerOrder`); `False` runs one decoder pass per
+            path (the official code's way; same result, kept for comparison).
     """
 
     model_type = "iot"
@@ -108,6 +113,7 @@ class IOTConfig(FlexformerConfig):
     sharpness_loss_coef: float | int = 0.01
     clamp_diversity_probs: bool = True
     weight_smoothing_loss: bool = True
+    batch_order_paths: bool = True
 
     def __post_init__(self, **kwargs):
         if self.decoder_orders is None:

@@ -392,6 +392,11 @@ class FlexformerAttention(nn.Module):
                 keys, values = self.project_key_value(encoder_states[::group] if group > 1 else encoder_states)
                 keys, values = cross_cache.update(keys, values, self.layer_idx)
                 past_key_values.is_updated[self.layer_idx] = True
+            if group > 1 and isinstance(rows, slice):
+                if rows.start % group == 0 and rows.stop % group == 0:  # whole sentences: stay grouped (a view)
+                    sentences = slice(rows.start // group, rows.stop // group)
+                    return keys[sentences], values[sentences]
+                rows = torch.arange(rows.start, rows.stop, device=keys.device)
             if group > 1 and rows is not None:
                 sentence_rows = torch.div(rows, group, rounding_mode="floor")
                 return keys.index_select(0, sentence_rows), values.index_select(0, sentence_rows)
@@ -435,7 +440,7 @@ class FlexformerAttention(nn.Module):
                 key, value = self_cache.update(key, value, self.layer_idx)
         attention_mask = _index_rows(attention_mask, rows)
         group = 1
-        if self.is_cross_attention and rows is None and key.shape[0] != batch:
+        if self.is_cross_attention and (rows is None or isinstance(rows, slice)) and key.shape[0] != batch:
             group = batch // key.shape[0]
             query = _fold_groups(query, group)
             if attention_mask is not None:

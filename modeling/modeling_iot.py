@@ -184,6 +184,34 @@ def sentence_label_smoothed_losses(
     return nll, smooth
 
 
+def contiguous_order_arrangement(orders: list[tuple[str, ...]]) -> list[int]:
+    """The sequence of candidate indices to lay the rows out in, so that candidates running the same sub-layer at
+    the same stage are neighbours as often as possible (attention sub-layers count double: their contiguous rows
+    let the backbone use views of the cache instead of copies). Brute force over N! ≤ 720 arrangements, once.
+
+    E.g. the paper's N = 4 orders 1, 2, 4, 6 → 2, 4, 1, 6: SA at stage 2 (orders 2, 4), ED at stage 2 (1, 6) and
+    FF at stage 3 (4, 1) are each one block of rows.
+    """
+    import itertools
+
+    groups = []
+    for stage in range(len(orders[0])):
+        for name in sorted({order[stage] for order in orders}):
+            members = frozenset(i for i, order in enumerate(orders) if order[stage] == name)
+            if len(members) > 1:
+                groups.append((members, 1 if name == "ffn" else 2))
+    best, best_score = list(range(len(orders))), -1
+    for arrangement in itertools.permutations(range(len(orders))):
+        position = {candidate: p for p, candidate in enumerate(arrangement)}
+        score = sum(
+            weight for members, weight in groups
+            if max(position[c] for c in members) - min(position[c] for c in members) == len(members) - 1
+        )
+        if score > best_score:
+            best, best_score = list(arrangement), score
+    return best
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Model
 # ---------------------------------------------------------------------------------------------------------------
@@ -321,6 +349,8 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
             else None
         )
         self.gumbel_step = 0
+        # Row layout for mixed orders: candidates sharing a sub-layer at a stage are neighbours (see the function).
+        self.decoder_row_arrangement = contiguous_order_arrangement(config.decoder_sublayer_orders)
         self._order_statistics: dict[str, torch.Tensor] = {}
         self._decoder_order_cache: tuple | None = None
         self.post_init()
@@ -620,25 +650,48 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
             decoder_conf = torch.ones(batch, num_enc, num_dec, device=input_ids.device)
 
         paths = num_enc * num_dec
-        stacked_states = torch.cat(encoder_states, dim=0) if num_enc > 1 else encoder_states[0]
-        if num_dec > 1:
-            stacked_states = stacked_states.repeat(num_dec, 1, 1)
-            order_index = torch.arange(num_dec, device=input_ids.device).repeat_interleave(num_enc * batch)
-            decoder_order = PerRowSublayerOrder(order_index, config.decoder_sublayer_orders)
-        else:
-            decoder_order = config.decoder_sublayer_orders[0]
-        decoder_outputs = self.get_decoder()(
-            input_ids=decoder_input_ids.repeat(paths, 1),
-            attention_mask=None if decoder_attention_mask is None else decoder_attention_mask.repeat(paths, 1),
-            encoder_hidden_states=stacked_states,
-            encoder_attention_mask=attention_mask.repeat(paths, 1),
-            sublayer_order=decoder_order,
-        )
-        logits = self.lm_head(decoder_outputs.last_hidden_state)  # [paths·b, t, V]
+        decoder = self.get_decoder()
+        # Row blocks are laid out decoder-order-major in `decoder_row_arrangement` (block j = candidate arrangement[j]).
+        arrangement = self.decoder_row_arrangement
+        position = torch.empty(num_dec, dtype=torch.long, device=input_ids.device)
+        position[torch.tensor(arrangement, device=input_ids.device)] = torch.arange(num_dec, device=input_ids.device)
+        if config.batch_order_paths and paths > 1:
+            stacked_states = torch.cat(encoder_states, dim=0) if num_enc > 1 else encoder_states[0]
+            if num_dec > 1:
+                stacked_states = stacked_states.repeat(num_dec, 1, 1)
+                order_index = torch.tensor(arrangement, device=input_ids.device).repeat_interleave(num_enc * batch)
+                decoder_order = PerRowSublayerOrder(order_index, config.decoder_sublayer_orders)
+            else:
+                decoder_order = config.decoder_sublayer_orders[0]
+            decoder_outputs = decoder(
+                input_ids=decoder_input_ids.repeat(paths, 1),
+                attention_mask=None if decoder_attention_mask is None else decoder_attention_mask.repeat(paths, 1),
+                encoder_hidden_states=stacked_states,
+                encoder_attention_mask=attention_mask.repeat(paths, 1),
+                sublayer_order=decoder_order,
+            )
+            logits = self.lm_head(decoder_outputs.last_hidden_state)  # [paths·b, t, V]
+        else:  # one decoder pass per path, in the same path-major row layout
+            logits = torch.cat(
+                [
+                    self.lm_head(
+                        decoder(
+                            input_ids=decoder_input_ids,
+                            attention_mask=decoder_attention_mask,
+                            encoder_hidden_states=states,
+                            encoder_attention_mask=attention_mask,
+                            sublayer_order=decoder_order,
+                        ).last_hidden_state
+                    )
+                    for decoder_order in [config.decoder_sublayer_orders[n] for n in arrangement]
+                    for states in encoder_states
+                ],
+                dim=0,
+            )
         nll, smooth = sentence_label_smoothed_losses(logits, labels.repeat(paths, 1), config.label_smoothing)
-        # [paths·b] → [b, M, N]
-        nll = nll.view(num_dec, num_enc, batch).permute(2, 1, 0)
-        smooth = smooth.view(num_dec, num_enc, batch).permute(2, 1, 0)
+        # [paths·b] (arrangement-major) → [b, M, N] (candidate order)
+        nll = nll.view(num_dec, num_enc, batch)[position].permute(2, 1, 0)
+        smooth = smooth.view(num_dec, num_enc, batch)[position].permute(2, 1, 0)
         epsilon = config.label_smoothing
         eps_i = epsilon / (logits.shape[-1] - 1) if epsilon > 0 else 0.0
         path_losses = (1.0 - epsilon - eps_i) * nll + eps_i * smooth
@@ -679,7 +732,7 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
         else:
             decoder_choice_all = torch.zeros(batch, num_enc, dtype=torch.long, device=input_ids.device)
             decoder_choice = decoder_choice_all[:, 0]
-        rows = (decoder_choice * num_enc + encoder_choice) * batch + torch.arange(batch, device=input_ids.device)
+        rows = (position[decoder_choice] * num_enc + encoder_choice) * batch + torch.arange(batch, device=input_ids.device)
         tokens_per_path = local_tokens.clamp(min=1).to(torch.float32)
         path_token_losses = (path_losses.detach().sum(dim=0) / tokens_per_path)  # [M, N]
         self._accumulate_order_statistics(
@@ -786,7 +839,11 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
         decoder_index = encoder_outputs.decoder_order_index
         encoder_codes, decoder_codes = self.order_codes(encoder_outputs.encoder_order_index, decoder_index)
         self.last_order_codes = {"encoder": encoder_codes, "decoder": decoder_codes}
-        order = torch.argsort(decoder_index, stable=True)
+        rank = torch.empty(len(self.decoder_row_arrangement), dtype=torch.long, device=decoder_index.device)
+        rank[torch.tensor(self.decoder_row_arrangement, device=decoder_index.device)] = torch.arange(
+            len(self.decoder_row_arrangement), device=decoder_index.device
+        )
+        order = torch.argsort(rank[decoder_index], stable=True)
         needs_sort = not bool(torch.equal(order, torch.arange(batch, device=order.device)))
         if needs_sort:
             input_ids = input_ids.index_select(0, order)

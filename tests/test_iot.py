@@ -293,16 +293,18 @@ def test_orders_actually_differ():
     assert len({round(loss, 6) for loss in losses}) == 6
 
 
-def test_stacked_training_paths_equal_separate_passes():
+@pytest.mark.parametrize("batch_paths", [True, False])
+def test_stacked_training_paths_equal_separate_passes(batch_paths):
     """The one-pass decoder over all M·N stacked paths gives each path's own loss ("setting (1)": weights 1)."""
-    model = tiny_iot(order_selection="equal", encoder_orders=[1, 2], decoder_orders=[1, 3, 6], label_smoothing=0.1)
+    model = tiny_iot(order_selection="equal", encoder_orders=[1, 2], decoder_orders=[1, 3, 6, 2], label_smoothing=0.1,
+                     batch_order_paths=batch_paths)
     input_ids, mask, labels = batch()
     model.train()
     out = model(input_ids=input_ids, attention_mask=mask, labels=labels)
     model.eval()
-    separate = torch.zeros(2, 3)
+    separate = torch.zeros(2, 4)
     for m, enc_code in enumerate([1, 2]):
-        for n, dec_code in enumerate([1, 3, 6]):
+        for n, dec_code in enumerate([1, 3, 6, 2]):
             encoded = model.encode_with_orders(input_ids, mask, encoder_order=enc_code, decoder_order=dec_code)
             separate[m, n] = model(attention_mask=mask, encoder_outputs=encoded, labels=labels).loss
     assert torch.allclose(out.path_losses, separate, atol=1e-5)
@@ -460,3 +462,24 @@ def test_training_method_module():
 
     GumbelTemperatureCallback().on_step_begin(None, State(), None, model=model)
     assert model.gumbel_temperatures()[1] == pytest.approx(max(5.0 * math.exp(-0.001 * 5000), 2.0))
+
+
+def test_order_analysis_table_and_plot(tmp_path):
+    from training_scripts.iot_order_analysis import _ForcedDecoderOrder, format_table, plot_table
+
+    table = {
+        "metric": "bleu", "orders": [1, 4, 6], "predicted": [1, 4, 4, 6],
+        "subsets": {1: 1, 4: 2, 6: 1},
+        "scores": {1: {1: 30.0, 4: 29.5, 6: 29.0}, 4: {1: 20.0, 4: 21.0, 6: 20.5}, 6: {1: 25.0, 4: 25.5, 6: 26.0}},
+        "overall": {1: 24.0, 4: 24.5, 6: 24.2, "predicted": 25.1},
+    }
+    text = format_table(table)
+    assert "30.00*" in text and "21.00*" in text and "26.00*" in text and "25.10" in text
+    plot_table(table, tmp_path / "fig2.png")
+    assert (tmp_path / "fig2.png").stat().st_size > 0
+    model = tiny_iot(decoder_orders=[1, 4, 6])
+    model.eval()
+    input_ids, mask, _ = batch()
+    forced = _ForcedDecoderOrder(model, 6)
+    forced.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=2)
+    assert model.last_order_codes["decoder"].tolist() == [6] * input_ids.shape[0]
