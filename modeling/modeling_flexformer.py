@@ -1000,22 +1000,29 @@ def label_smoothed_nll_loss(
     """fairseq 0.12's label-smoothed cross-entropy (`label_smoothed_cross_entropy`): with ε' = ε / (V - 1),
     loss = (1 - ε - ε') · NLL + ε' · Σ_v −log p_v, summed over non-ignored tokens.
 
+    PyTorch's fused `cross_entropy(label_smoothing=s)` computes (1 - s) · NLL + (s / V) · Σ_v −log p_v, which is
+    the same loss for s = ε · V / (V - 1); it avoids materialising the log-probabilities twice.
+
     Returns (loss, nll_loss), each divided by `num_items_in_batch` when given (Trainer's token count for the whole
-    accumulated batch, which keeps gradient accumulation exact) and by the number of target tokens otherwise.
-    Computed in float32 so bf16 training keeps an accurate loss.
+    accumulated batch, which keeps gradient accumulation exact) and by the number of target tokens otherwise; the
+    NLL is computed without gradient (it is for logging). Computed in float32 so bf16 training keeps an accurate
+    loss.
     """
-    log_probs = F.log_softmax(logits.float(), dim=-1)
-    mask = labels.ne(ignore_index)
-    safe_labels = labels.masked_fill(~mask, 0)
-    nll = -log_probs.gather(-1, safe_labels.unsqueeze(-1)).squeeze(-1)
-    nll = nll.masked_fill(~mask, 0.0).sum()
-    if epsilon > 0:
-        smooth = -log_probs.sum(-1).masked_fill(~mask, 0.0).sum()
-        eps_i = epsilon / (log_probs.shape[-1] - 1)
-        loss = (1.0 - epsilon - eps_i) * nll + eps_i * smooth
-    else:
-        loss = nll
-    denominator = num_items_in_batch if num_items_in_batch is not None else mask.sum().clamp(min=1)
+    vocab_size = logits.shape[-1]
+    flat_logits = logits.reshape(-1, vocab_size).float()
+    flat_labels = labels.reshape(-1)
+    smoothing = epsilon * vocab_size / (vocab_size - 1) if epsilon > 0 else 0.0
+    loss = F.cross_entropy(
+        flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum", label_smoothing=smoothing
+    )
+    with torch.no_grad():
+        if epsilon > 0:  # one reduction pass: −log p_y = logsumexp(z) − z_y
+            kept = flat_labels.ne(ignore_index)
+            target_logits = flat_logits.gather(1, flat_labels.masked_fill(~kept, 0).unsqueeze(1)).squeeze(1)
+            nll = ((torch.logsumexp(flat_logits, dim=-1) - target_logits) * kept).sum()
+        else:
+            nll = loss.detach()
+    denominator = num_items_in_batch if num_items_in_batch is not None else flat_labels.ne(ignore_index).sum().clamp(min=1)
     if isinstance(denominator, torch.Tensor):
         denominator = denominator.to(loss.device)
     return loss / denominator, nll / denominator
