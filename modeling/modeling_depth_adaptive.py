@@ -457,6 +457,10 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
       projects the copied state to its keys/values; each layer's cache gets one full-batch write per step.
     """
 
+    # Early-exit steps run a block on the whole batch (dropping the exited rows' outputs) while at least this
+    # fraction of the rows is still computing, and on the row subset below it.
+    dense_step_fraction: float = 0.5
+
     def __init__(self, config, embed_tokens, components):
         super().__init__(config, embed_tokens, components)
         self._fused_key_value = None
@@ -511,11 +515,15 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
             self._fused_key_value_signature = signature
         return self._fused_key_value
 
-    def copied_key_values(self, first_layer: int, states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Keys/values ``[b', heads, q, head_dim]`` of the copied ``states`` for blocks ``first_layer`` … N−1 (0-based):
-        each block's *own* projections of the copied state (Sec. 2.2.1; FS = 4 d_d² in Appendix B). Pre-norm blocks
-        normalise the state with their self-attention LayerNorm first, exactly as the block would."""
-        layers = self.layers[first_layer:]
+    def copied_key_values(
+        self, first_layer: int, states: torch.Tensor, num_layers: int | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Keys/values ``[b', heads, q, head_dim]`` of the copied ``states`` for ``num_layers`` blocks from
+        ``first_layer`` (0-based; default: up to the top): each block's *own* projections of the copied state
+        (Sec. 2.2.1; FS = 4 d_d² in Appendix B), all blocks in one matmul at inference. Pre-norm blocks normalise the
+        state with their self-attention LayerNorm first, exactly as the block would."""
+        last_layer = len(self.layers) if num_layers is None else first_layer + num_layers
+        layers = self.layers[first_layer:last_layer]
         if len(layers) == 0:
             return []
         attention = layers[0].self_attn
@@ -523,8 +531,8 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
         width = attention.total_heads * attention.head_dim
         if not torch.is_grad_enabled() and not self.config.decoder_normalize_before:
             weight, bias = self._fused_key_value_weights()
-            start = first_layer * 2 * width
-            projected = torch.addmm(bias[start:], states.reshape(rows * length, -1), weight[:, start:])
+            start, stop = first_layer * 2 * width, last_layer * 2 * width
+            projected = torch.addmm(bias[start:stop], states.reshape(rows * length, -1), weight[:, start:stop])
             result = []
             for offset, layer in enumerate(layers):
                 chunk = projected[:, offset * 2 * width : (offset + 1) * 2 * width]
@@ -596,36 +604,44 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
         """One incremental decoding step with early exits (Appendix B, Algorithm 2) for a batch of single tokens
         ``[b, 1, d]`` (embedded). Returns ``(logits [b, 1, V], exits [b])``.
 
-        After each block n < N the decider picks the rows that exit; only the remaining rows run the blocks above
-        (row subsets of the batch against their own cache rows). An exited row's state is copied upwards: each block
-        above receives its own key/value projections of it (one fused matmul per exit event), collected together
-        with the computing rows' keys/values and written to the cache once per layer for the whole batch.
+        After each block n < N the decider picks the rows that exit. An exited row's state is copied upwards and
+        every block above gets its own key/value projections of it, so each layer's cache receives one full-batch
+        write per step. The blocks above run for the remaining rows only:
+
+        - *sparse*: with few rows left (fewer than ``dense_step_fraction`` of the batch), the block runs on those
+          rows (row subsets against their own cache rows), and the copied rows' keys/values are one projection;
+        - *dense*: with many rows left, gathering rows costs more than it saves, so the block runs on the whole
+          batch with the copied states as the exited rows' inputs — which writes exactly the copied states' K/V for
+          them — and their outputs are dropped;
+        - once every row has exited, the blocks above only project the copied states (one matmul for all of them).
         """
         num_layers = len(self.layers)
         batch = hidden_states.shape[0]
         self_cache = past_key_values.self_attention_cache
         exits = torch.full((batch,), num_layers, dtype=torch.long, device=hidden_states.device)
         active_rows = None  # None: every row, in batch order
-        pending: list[list] = [[] for _ in range(num_layers)]  # per layer: (rows, keys, values) of copied states
+        exited_rows = None  # rows that have exited, in batch order
+        copied = None  # [b, 1, d]: each exited row's copied state
         finished: list[tuple] = []  # (rows, logits) of the rows that have exited
-        all_exited = False
         for idx in range(num_layers):
             block = idx + 1
-            if all_exited:
-                collector = StepKVCollector(self_cache, idx, batch)
-                for rows, keys, values in pending[idx]:
-                    collector.add(rows, keys, values)
-                collector.flush()
-                continue
-            if not pending[idx]:
+            if active_rows is not None and active_rows.numel() == 0:
+                # Every row has exited: the blocks above only need the copied states' keys/values.
+                for offset, (keys, values) in enumerate(self.copied_key_values(idx, copied)):
+                    self_cache.update(keys, values, idx + offset)
+                break
+            if exited_rows is None:
                 hidden_states = self.run_block(idx, hidden_states, layer_kwargs, past_key_values)
+            elif active_rows.numel() >= self.dense_step_fraction * batch:
+                inputs = copied.index_copy(0, active_rows, hidden_states)
+                hidden_states = self.run_block(idx, inputs, layer_kwargs, past_key_values).index_select(0, active_rows)
             else:
                 collector = StepKVCollector(self_cache, idx, batch)
                 hidden_states = self.run_block(
                     idx, hidden_states, layer_kwargs, past_key_values, rows=active_rows, kv_collector=collector
                 )
-                for rows, keys, values in pending[idx]:
-                    collector.add(rows, keys, values)
+                (keys, values), = self.copied_key_values(idx, copied.index_select(0, exited_rows), num_layers=1)
+                collector.add(exited_rows, keys, values)
                 collector.flush()
             if block == num_layers:
                 break
@@ -636,26 +652,33 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
             leaving = int(exit_mask.sum())
             if leaving == 0:
                 continue
+            rows_now = active_rows if active_rows is not None else torch.arange(batch, device=exits.device)
             if leaving == hidden_states.shape[0]:
-                leaving_rows, leaving_states, leaving_logits = active_rows, hidden_states, exit_logits
-                all_exited = True
+                leaving_rows, leaving_states, leaving_logits = rows_now, hidden_states, exit_logits
+                active_rows = rows_now[:0]
             else:
-                rows_now = active_rows if active_rows is not None else torch.arange(batch, device=exits.device)
                 leaving_rows = rows_now[exit_mask]
                 leaving_states = hidden_states[exit_mask]
                 leaving_logits = exit_logits[exit_mask] if exit_logits is not None else None
                 active_rows, hidden_states = rows_now[~exit_mask], hidden_states[~exit_mask]
-            if leaving_rows is None:
-                exits.fill_(block)
+            exits.index_fill_(0, leaving_rows, block)
+            if copied is None:
+                copied = leaving_states if leaving_rows.numel() == batch else leaving_states.new_zeros(
+                    batch, *leaving_states.shape[1:]
+                ).index_copy(0, leaving_rows, leaving_states)
+                exited_rows = leaving_rows
             else:
-                exits.index_fill_(0, leaving_rows, block)
-            finished.append((leaving_rows, leaving_logits if leaving_logits is not None else classify(block, leaving_states)))
-            for offset, (keys, values) in enumerate(self.copied_key_values(idx + 1, leaving_states)):
-                pending[idx + 1 + offset].append((leaving_rows, keys, values))
-        if not all_exited:
+                copied = copied.index_copy(0, leaving_rows, leaving_states)
+                exited_rows = torch.sort(torch.cat([exited_rows, leaving_rows])).values
+            finished.append(
+                (leaving_rows, leaving_logits if leaving_logits is not None else classify(block, leaving_states))
+            )
+        if active_rows is None:
+            return classify(num_layers, hidden_states), exits
+        if active_rows.numel() > 0:
             finished.append((active_rows, classify(num_layers, hidden_states)))
-        if len(finished) == 1 and finished[0][0] is None:
-            return finished[0][1], exits
+        if len(finished) == 1:
+            return finished[0][1], exits  # one group holding every row, in batch order
         vocab = finished[0][1].shape[-1]
         logits = finished[0][1].new_empty(batch, 1, vocab)
         for rows, group_logits in finished:

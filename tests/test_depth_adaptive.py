@@ -152,8 +152,12 @@ def test_fixed_exit_equals_the_model_truncated_after_block_n_with_classifier_n(b
         ({"exit_classifiers": "shared", "halting_mechanism": "token_geometric"}, {}),
     ],
 )
-def test_incremental_early_exit_equals_recomputation_with_the_same_exits_and_copied_states(overrides, settings):
+@pytest.mark.parametrize("dense_step_fraction", [0.0, 0.5, 2.0], ids=["dense", "mixed", "sparse"])
+def test_incremental_early_exit_equals_recomputation_with_the_same_exits_and_copied_states(
+    overrides, settings, dense_step_fraction
+):
     model = make_model(seed=3, **overrides)
+    model.model.decoder.dense_step_fraction = dense_step_fraction
     source, target = make_batch()
     settings = balance_exits(model, source, target, settings)
     attention_mask = source.ne(PAD).long()
@@ -209,9 +213,10 @@ def test_copied_states_feed_the_upper_blocks_keys_and_values():
             torch.testing.assert_close(cached.values, values)
 
 
-@pytest.mark.parametrize("beams", [1, 3])
-def test_batched_early_exit_generation_equals_per_sentence_generation(beams):
+@pytest.mark.parametrize("beams, dense_step_fraction", [(1, 0.5), (3, 0.0), (3, 2.0)])
+def test_batched_early_exit_generation_equals_per_sentence_generation(beams, dense_step_fraction):
     model = make_model(seed=3, halting_mechanism="token_geometric")
+    model.model.decoder.dense_step_fraction = dense_step_fraction
     source, target = make_batch()
     balance_exits(model, source, target, {})
     with torch.no_grad():

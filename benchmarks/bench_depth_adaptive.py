@@ -1,0 +1,205 @@
+"""Depth-Adaptive early-exit decoding speed against full-depth decoding of the same model.
+
+    flock -x /tmp/flexformers-cpu.lock python benchmarks/bench_depth_adaptive.py [--dtype bfloat16] [--out FILE]
+
+The paper's IWSLT architecture (``depth_adaptive_iwslt_de_en``: d_enc 512, d_dec 256, FFN 1024, 4 heads, N = 6,
+six untied classifiers over a 10152-token vocabulary), random weights. Every run decodes exactly ``--steps`` tokens
+per hypothesis (``min_new_tokens = max_new_tokens``), so the strategies do the same number of steps whatever tokens
+they pick. Rows:
+
+- ``backbone``: the plain ``FlexformerForConditionalGeneration`` with the same weights (full depth);
+- ``full``: the Depth-Adaptive model with every token exiting at block 6 (its early-exit loop, no exits);
+- ``fixed 2``: every token exits at block 2 (AE = 2);
+- ``geometric``: the geometric-like halting (Eq. 12–13) with biases set so that tokens exit at mixed blocks with
+  AE ≈ 1.7 (each block lets ~60 % of the states reaching it exit);
+- ``confidence``: confidence thresholding with thresholds set the same way (it pays a 10152-way classifier after
+  every block it passes).
+
+*Decoder time* is the wall time spent in the model's forward during ``generate`` (the decoder blocks, the
+classifiers and the halting decisions; the encoder runs outside it); the ratio is against ``full``. The
+*generate* column is the whole ``generate`` call (encoder and Transformers' search loop included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import modeling  # noqa: E402,F401
+from configuration.configuration_depth_adaptive import DepthAdaptiveConfig  # noqa: E402
+from configuration.configuration_flexformer import FlexformerConfig  # noqa: E402
+from modeling.modeling_depth_adaptive import DepthAdaptiveForConditionalGeneration  # noqa: E402
+from modeling.modeling_flexformer import FlexformerForConditionalGeneration, padding_mask  # noqa: E402
+
+VOCAB = 10152
+PAD = 1
+
+
+class ForwardTimer:
+    """Accumulates the wall time of ``model.forward`` calls (generate calls the model once per step)."""
+
+    def __init__(self, model):
+        self.seconds = 0.0
+        original = model.forward
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            output = original(*args, **kwargs)
+            self.seconds += time.perf_counter() - start
+            return output
+
+        model.forward = timed
+
+
+class ExitCounter:
+    """Counts the exits the early-exit steps take (AE over every row and step)."""
+
+    def __init__(self, decoder):
+        self.total = 0
+        self.count = 0
+        original = decoder.early_exit_step
+
+        def counted(*args, **kwargs):
+            logits, exits = original(*args, **kwargs)
+            self.total += int(exits.sum())
+            self.count += exits.numel()
+            return logits, exits
+
+        decoder.early_exit_step = counted
+
+    @property
+    def average_exit(self) -> float:
+        return self.total / self.count if self.count else float("nan")
+
+
+def build_models(dtype: torch.dtype, seed: int = 0):
+    torch.manual_seed(seed)
+    config = DepthAdaptiveConfig.from_preset(
+        "depth_adaptive_iwslt_de_en", vocab_size=VOCAB, dropout=0.0, halting_mechanism="token_geometric"
+    )
+    model = DepthAdaptiveForConditionalGeneration(config).eval()
+    baseline_config = FlexformerConfig.from_preset(
+        "transformer_iwslt_de_en", vocab_size=VOCAB, decoder_embed_dim=256, share_all_embeddings=False, dropout=0.0
+    )
+    baseline = FlexformerForConditionalGeneration(baseline_config).eval()
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith(("exit_classifiers.", "halting."))}
+    baseline.load_state_dict(state)
+    return model.to(dtype), baseline.to(dtype)
+
+
+@torch.no_grad()
+def calibrate(model, source, exit_fraction: float) -> list[float]:
+    """Set the geometric-like biases so that ``exit_fraction`` of the states reaching each block exit there, and
+    return confidence thresholds with the same property (quantiles on teacher-forced random targets)."""
+    target = torch.randint(4, VOCAB, (source.shape[0], 30))
+    decoder = model.model.decoder
+    encoder_states = model.get_encoder()(input_ids=source).last_hidden_state
+    layer_kwargs = {
+        "attention_mask": None,
+        "encoder_hidden_states": encoder_states,
+        "encoder_attention_mask": padding_mask(source.ne(PAD).long(), encoder_states.dtype),
+    }
+    decoder_input = torch.cat([torch.full((source.shape[0], 1), 2), target[:, :-1]], dim=1)
+    states, _, _ = decoder.forward_layerwise(decoder.embed(decoder_input), layer_kwargs, keep_states=True)
+    thresholds = []
+    for block in range(1, model.num_exits):
+        logits = model.halting.halting_logits(block, states[block - 1]).float().flatten()
+        model.halting.bias[block - 1] -= torch.quantile(logits, 1 - exit_fraction).to(model.halting.bias.dtype)
+        confidence = torch.softmax(model.classify(block, states[block - 1]).float(), -1).amax(-1).flatten()
+        thresholds.append(float(torch.quantile(confidence, 1 - exit_fraction)))
+    return thresholds
+
+
+def run_case(model, batches, beams: int, steps: int, settings: dict, counter: ExitCounter | None):
+    timer_model = model
+    timer = ForwardTimer(timer_model)
+    if counter is not None:
+        counter.total = counter.count = 0
+    generate_seconds = 0.0
+    for index, source in enumerate(batches):
+        kwargs = dict(attention_mask=source.ne(PAD).long(), num_beams=beams, max_new_tokens=steps,
+                      min_new_tokens=steps, early_stopping=False, do_sample=False, **settings)
+        if index == 0:  # warm-up, not timed
+            model.generate(source, **kwargs)
+            timer.seconds = 0.0
+            if counter is not None:
+                counter.total = counter.count = 0
+        start = time.perf_counter()
+        model.generate(source, **kwargs)
+        generate_seconds += time.perf_counter() - start
+    del timer_model.forward  # restore the class method
+    return timer.seconds, generate_seconds, (counter.average_exit if counter is not None else 6.0)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30, help="Decoded tokens per hypothesis.")
+    parser.add_argument("--source_length", type=int, default=30)
+    parser.add_argument("--sentences_batch1", type=int, default=8, help="Sentences decoded one at a time.")
+    parser.add_argument("--batches_batch32", type=int, default=2, help="Batches of 32 sentences.")
+    parser.add_argument("--exit_fraction", type=float, default=0.6)
+    parser.add_argument("--out", default=None, help="Write the results as JSON here.")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    model, baseline = build_models(dtype)
+    generator = torch.Generator().manual_seed(1)
+    sources = torch.randint(4, VOCAB, (32 * args.batches_batch32, args.source_length), generator=generator)
+    sources[:, -1] = 2
+    thresholds = calibrate(model, sources[:32], args.exit_fraction)
+    geometric_thresholds = [0.5] * (model.num_exits - 1)
+    counter = ExitCounter(model.model.decoder)
+    cases = [
+        ("backbone", baseline, {}),
+        ("full", model, {"exit_strategy": "full"}),
+        ("fixed 2", model, {"exit_strategy": "fixed", "fixed_exit": 2}),
+        ("geometric", model, {"exit_strategy": "halting", "exit_thresholds": geometric_thresholds}),
+        ("confidence", model, {"exit_strategy": "confidence", "exit_thresholds": thresholds}),
+    ]
+    results = []
+    for batch_size, beams in ((1, 1), (1, 5), (32, 1), (32, 5)):
+        if batch_size == 1:
+            batches = [sources[i : i + 1] for i in range(args.sentences_batch1)]
+        else:
+            batches = [sources[i * 32 : (i + 1) * 32] for i in range(args.batches_batch32)]
+        full_seconds = None
+        for name, case_model, settings in cases:
+            decoder_seconds, generate_seconds, average_exit = run_case(
+                case_model, batches, beams, args.steps, settings, counter if case_model is model else None
+            )
+            if name == "full":
+                full_seconds = decoder_seconds
+            row = {
+                "batch": batch_size, "beams": beams, "strategy": name, "average_exit": round(average_exit, 2),
+                "decoder_seconds": round(decoder_seconds, 4), "generate_seconds": round(generate_seconds, 4),
+                "steps_per_second": round(len(batches) * args.steps / decoder_seconds, 1),
+            }
+            results.append(row)
+        for row in results:
+            if row["batch"] == batch_size and row["beams"] == beams:
+                row["decoder_ratio_vs_full"] = round(row["decoder_seconds"] / full_seconds, 3)
+        print(json.dumps([r for r in results if r["batch"] == batch_size and r["beams"] == beams]), flush=True)
+    header = "| batch | beam | strategy | AE | decoder s | × full depth | generate s |"
+    print(f"\n{args.dtype}, {args.threads} threads, {args.steps} steps per hypothesis, source length {args.source_length}")
+    print(header)
+    print("|---|---|---|---|---|---|---|")
+    for row in results:
+        print(f"| {row['batch']} | {row['beams']} | {row['strategy']} | {row['average_exit']:.2f} | "
+              f"{row['decoder_seconds']:.3f} | {row['decoder_ratio_vs_full']:.2f} | {row['generate_seconds']:.3f} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()
