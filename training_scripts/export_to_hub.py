@@ -686,13 +686,41 @@ def _check_tokenizer_is_standard(folder: Path) -> None:
         )
 
 
+#: ``generate()`` parameters that are inputs or Transformers' own machinery, never a method's decoding setting.
+_GENERATE_MACHINERY = frozenset({
+    "self", "inputs", "input_ids", "attention_mask", "generation_config", "logits_processor", "stopping_criteria",
+    "prefix_allowed_tokens_fn", "synced_gpus", "assistant_model", "streamer", "negative_prompt_ids",
+    "negative_prompt_attention_mask", "custom_generate", "use_model_defaults", "kwargs",
+})
+
+
+def method_decoding_settings(model) -> dict[str, Any]:
+    """The method's own decoding options that the checkpoint's config sets: keyword parameters of the model's
+    ``generate()`` that are also config attributes with a value (e.g. Depth-Adaptive's ``exit_strategy`` /
+    ``exit_thresholds``). They go into ``generation_config.json`` so the folder documents how it decodes."""
+    parameters = inspect.signature(type(model).generate).parameters
+    settings = {}
+    for name, parameter in parameters.items():
+        if name in _GENERATE_MACHINERY or parameter.kind in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL):
+            continue
+        value = getattr(model.config, name, None)
+        if value is None:
+            continue
+        try:
+            json.dumps(value)
+        except TypeError:
+            continue
+        settings[name] = list(value) if isinstance(value, tuple) else value
+    return settings
+
+
 def build_generation_config(model, eval_results: dict[str, Any] | None, overrides: dict[str, Any]):
     """The model's generation config (the checkpoint's ``generation_config.json``, with the method's decoding
     fields), overlaid with the beam size / length penalty of the reported evaluation, then ``overrides``."""
     import copy
 
     generation_config = copy.deepcopy(model.generation_config)
-    updates: dict[str, Any] = {}
+    updates: dict[str, Any] = dict(method_decoding_settings(model))
     if eval_results is not None:
         if eval_results.get("num_beams") is not None:
             updates["num_beams"] = eval_results["num_beams"]
