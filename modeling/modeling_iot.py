@@ -23,6 +23,8 @@ from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 from configuration.configuration_iot import IOTConfig
 
 from .modeling_flexformer import (
+    BackboneComponents,
+    FlexformerAttention,
     FlexformerForConditionalGeneration,
     FlexformerModel,
     FlexformerPreTrainedModel,
@@ -286,11 +288,43 @@ class IOTGenerateBeamEncoderDecoderOutput(GenerateBeamEncoderDecoderOutput):
     decoder_order_codes: torch.LongTensor | None = None
 
 
+class IOTCrossAttention(FlexformerAttention):
+    """The decoder's encoder-attention, able to serve the M·N stacked order paths of IOT training from the M
+    encoder outputs: the keys/values of the encoder states are projected once per forward and shared by every
+    decoder-order path (row r of the stacked batch uses encoder row ``r mod (M·b)``), instead of N identical
+    projections. Outside stacked training (``path_repeats == 1``) it is the backbone's attention unchanged."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.path_repeats = 1
+        self._shared_key_value: tuple | None = None
+
+    def _cross_key_value(self, encoder_states, past_key_values, rows):
+        if self.path_repeats == 1 or past_key_values is not None:
+            return super()._cross_key_value(encoder_states, past_key_values, rows)
+        shared = self._shared_key_value
+        if shared is None or shared[0] is not encoder_states:
+            shared = (encoder_states, *self.project_key_value(encoder_states))
+            self._shared_key_value = shared
+        _, keys, values = shared
+        base = keys.shape[0]
+        if rows is None:
+            return keys.repeat(self.path_repeats, 1, 1, 1), values.repeat(self.path_repeats, 1, 1, 1)
+        if isinstance(rows, slice):
+            if rows.start // base == (rows.stop - 1) // base:  # inside one path block: a view
+                start = rows.start % base
+                return keys[start : start + rows.stop - rows.start], values[start : start + rows.stop - rows.start]
+            rows = torch.arange(rows.start, rows.stop, device=keys.device)
+        source_rows = rows % base
+        return keys.index_select(0, source_rows), values.index_select(0, source_rows)
+
+
 class IOTModel(FlexformerModel):
     """The IOT encoder-decoder without LM head (``AutoModel``); the order predictors live on
     :class:`IOTForConditionalGeneration`."""
 
     config_class = IOTConfig
+    components = BackboneComponents(cross_attention=IOTCrossAttention)
 
 
 def _reorder_rows(value, sentence_positions: torch.Tensor, batch_size: int):
@@ -658,18 +692,33 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
         if config.batch_order_paths and paths > 1:
             stacked_states = torch.cat(encoder_states, dim=0) if num_enc > 1 else encoder_states[0]
             if num_dec > 1:
-                stacked_states = stacked_states.repeat(num_dec, 1, 1)
                 order_index = torch.tensor(arrangement, device=input_ids.device).repeat_interleave(num_enc * batch)
                 decoder_order = PerRowSublayerOrder(order_index, config.decoder_sublayer_orders)
             else:
                 decoder_order = config.decoder_sublayer_orders[0]
-            decoder_outputs = decoder(
-                input_ids=decoder_input_ids.repeat(paths, 1),
-                attention_mask=None if decoder_attention_mask is None else decoder_attention_mask.repeat(paths, 1),
-                encoder_hidden_states=stacked_states,
-                encoder_attention_mask=attention_mask.repeat(paths, 1),
-                sublayer_order=decoder_order,
-            )
+            # The N decoder-order paths share the encoder states: their cross-attention keys/values are projected
+            # once (IOTCrossAttention with path_repeats = N), not once per path.
+            cross_attentions = [
+                layer.encoder_attn for layer in decoder.layers if isinstance(layer.encoder_attn, IOTCrossAttention)
+            ]
+            if len(cross_attentions) != len(decoder.layers):
+                stacked_states = stacked_states.repeat(num_dec, 1, 1)
+            for attention in cross_attentions:
+                attention.path_repeats = num_dec
+            try:
+                decoder_outputs = decoder(
+                    input_ids=decoder_input_ids.repeat(paths, 1),
+                    attention_mask=(
+                        None if decoder_attention_mask is None else decoder_attention_mask.repeat(paths, 1)
+                    ),
+                    encoder_hidden_states=stacked_states,
+                    encoder_attention_mask=attention_mask.repeat(paths, 1),
+                    sublayer_order=decoder_order,
+                )
+            finally:
+                for attention in cross_attentions:
+                    attention.path_repeats = 1
+                    attention._shared_key_value = None
             logits = self.lm_head(decoder_outputs.last_hidden_state)  # [paths·b, t, V]
         else:  # one decoder pass per path, in the same path-major row layout
             logits = torch.cat(
