@@ -6,6 +6,8 @@ naive per-branch loop.
 Setting (as the peer numbers in NOTES.md): transformer_iwslt_de_en depth/heads, joint vocabulary of 10152 tokens,
 batch 32 × 30 source tokens, 30 target tokens. Measured per model and precision:
 
+Repetitions are interleaved (one call of each model per round) and the median is reported.
+
 - training step: forward + backward + Adam step in train mode (dropout, drop-branch ρ = 0.2), target tokens/s;
 - greedy and beam-5 generation of exactly 30 new tokens (``min_new_tokens = max_new_tokens``, so models with
   different random weights decode the same number of steps), sentences/s.
@@ -129,18 +131,22 @@ def make_batch(batch_size: int, source_length: int, target_length: int):
     return input_ids, torch.ones_like(input_ids), labels
 
 
-def _median_seconds(function, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        function()
-    times = []
+def _interleaved_medians(functions: dict, warmup: int, repeats: int) -> dict[str, float]:
+    """Median seconds of each function, timed in interleaved rounds (one call of each per round) so that load
+    drifting on a shared machine affects every compared system alike."""
+    for function in functions.values():
+        for _ in range(warmup):
+            function()
+    times = {name: [] for name in functions}
     for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, function in functions.items():
+            start = time.perf_counter()
+            function()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
-def time_training(model, batch, precision: str, steps: int) -> float:
+def training_step(model, batch, precision: str):
     input_ids, attention_mask, labels = batch
     model.float().train()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98))
@@ -152,14 +158,11 @@ def time_training(model, batch, precision: str, steps: int) -> float:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    seconds = _median_seconds(step, warmup=2, repeats=steps)
-    return labels.numel() / seconds
+    return step
 
 
-def time_generation(model, batch, precision: str, num_beams: int, new_tokens: int, repeats: int) -> float:
+def generation_call(model, batch, num_beams: int, new_tokens: int):
     input_ids, attention_mask, _ = batch
-    model.eval()
-    model.to(torch.bfloat16 if precision == "bf16" else torch.float32)
 
     def generate():
         with torch.inference_mode():
@@ -168,9 +171,35 @@ def time_generation(model, batch, precision: str, num_beams: int, new_tokens: in
                 max_new_tokens=new_tokens, min_new_tokens=new_tokens,
             )
 
-    seconds = _median_seconds(generate, warmup=1, repeats=repeats)
-    model.float()
-    return input_ids.shape[0] / seconds
+    return generate
+
+
+def measure(models: dict, batch, precision: str, train_steps: int, repeats: int, new_tokens: int) -> list[dict]:
+    """Training step (target tokens/s), greedy and beam-5 generation (sentences/s) of every model."""
+    input_ids, _, labels = batch
+    train = _interleaved_medians(
+        {name: training_step(model, batch, precision) for name, model in models.items()}, warmup=2, repeats=train_steps
+    )
+    for model in models.values():
+        model.eval().to(torch.bfloat16 if precision == "bf16" else torch.float32)
+    greedy = _interleaved_medians(
+        {name: generation_call(model, batch, 1, new_tokens) for name, model in models.items()}, warmup=1, repeats=repeats
+    )
+    beam = _interleaved_medians(
+        {name: generation_call(model, batch, 5, new_tokens) for name, model in models.items()}, warmup=1, repeats=repeats
+    )
+    for model in models.values():
+        model.float()
+    return [
+        {
+            "model": name,
+            "precision": precision,
+            "train_target_tokens_per_s": labels.numel() / train[name],
+            "greedy_sentences_per_s": input_ids.shape[0] / greedy[name],
+            "beam5_sentences_per_s": input_ids.shape[0] / beam[name],
+        }
+        for name in models
+    ]
 
 
 def check_loop_matches_fused(models, batch) -> tuple[float, bool]:
@@ -191,8 +220,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--source_length", type=int, default=30)
     parser.add_argument("--target_length", type=int, default=30)
-    parser.add_argument("--train_steps", type=int, default=8, help="timed training steps (median)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed generate() calls (median)")
+    parser.add_argument("--train_steps", type=int, default=8, help="timed training steps per model (median)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed generate() calls per model (median)")
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--drop_branch_rate", type=float, default=0.2)
     parser.add_argument("--output", default=None, help="write the results as JSON here")
@@ -215,14 +244,7 @@ def main(argv=None) -> dict:
     }
     print(f"parameters: {results['parameters']}; loop vs fused max |Δlogit| = {max_difference:.2e}, same beam-5 output: {same_beams}", flush=True)
     for precision in args.precisions:
-        for name, model in models.items():
-            row = {
-                "model": name,
-                "precision": precision,
-                "train_target_tokens_per_s": time_training(model, batch, precision, args.train_steps),
-                "greedy_sentences_per_s": time_generation(model, batch, precision, 1, args.target_length, args.repeats),
-                "beam5_sentences_per_s": time_generation(model, batch, precision, 5, args.target_length, args.repeats),
-            }
+        for row in measure(models, batch, precision, args.train_steps, args.repeats, args.target_length):
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
 
