@@ -192,6 +192,25 @@ def build_insertion_batch(
     }
 
 
+SAO_ORDER_WEIGHTINGS = ("uniform", "posterior")
+
+
+def sao_order_weights(scores: torch.Tensor, weighting: str = "uniform") -> torch.Tensor:
+    """Weights of the orders found by SAO in the training loss, per sentence (``scores`` ``[b, B]`` = log p(y_π|x),
+    ``-inf`` for missing beams).
+
+    ``"uniform"``: Eq. 12, ``q(π|x, y) = 1/B`` on the beam (the paper). ``"posterior"``: ``q ∝ p_θ(y_π|x)`` on the
+    beam — the exact posterior restricted to the found orders (a tighter ELBO); it keeps very unlikely orders from
+    dominating the gradient when the model is already confident (an option, not in the paper).
+    """
+    if weighting not in SAO_ORDER_WEIGHTINGS:
+        raise ValueError(f"sao_order_weighting must be one of {SAO_ORDER_WEIGHTINGS}, got {weighting!r}")
+    finite = torch.isfinite(scores)
+    if weighting == "uniform":
+        return finite.float() / finite.sum(-1, keepdim=True).clamp(min=1)
+    return scores.float().masked_fill(~finite, float("-inf")).softmax(-1)
+
+
 def replay_insertions(tokens: list[int], anchors: list[int], sides: list[int]) -> list[int]:
     """Plain-list reference of Algorithm 1: insert ``tokens[s]`` on ``sides[s]`` of the word with insertion index
     ``anchors[s]``, starting from ``[<s>, </s>]`` (insertion indices 0, 1). Returns insertion indices in reading order."""
@@ -361,11 +380,13 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
         self.pointer_right_proj = nn.Linear(dim, dim, bias=False)  # D
         # Training-time switches set by the training method (not saved): searched orders instead of the
         # collator's pre-defined ones (after bootstrapping), SAO beam width, dropout during the search,
-        # and how many of the found orders to train on (None = all B, Eq. 12).
+        # how many of the found orders to train on (None = all B, Eq. 12) and how to weight them (see
+        # sao_order_weights).
         self.use_searched_orders = False
         self.sao_beam_size = 8
         self.sao_search_dropout = True
         self.sao_train_orders: int | None = None
+        self.sao_order_weighting = "uniform"
         self.post_init()
 
     # ---- prediction heads ------------------------------------------------------------------------------------
@@ -506,8 +527,7 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
             beams = searched_orders.shape[1]
             keep = beams if self.sao_train_orders is None else min(self.sao_train_orders, beams)
             orders = searched_orders[:, :keep].reshape(-1, target_ids.shape[1])
-            finite = torch.isfinite(searched_scores[:, :keep])
-            order_weights = (finite.float() / finite.sum(-1, keepdim=True).clamp(min=1)).reshape(-1)
+            order_weights = sao_order_weights(searched_scores[:, :keep], self.sao_order_weighting).reshape(-1)
             batch = build_insertion_batch(
                 target_ids.repeat_interleave(keep, 0), target_lengths.repeat_interleave(keep, 0), orders,
                 **self._special_ids(),
@@ -1046,4 +1066,5 @@ __all__ = [
     "reading_order_from_positions",
     "relative_positions_from_absolute",
     "replay_insertions",
+    "sao_order_weights",
 ]

@@ -466,3 +466,15 @@ def test_sao_training_loss_averages_the_found_orders(source):
     model.train()
     model(**batch).loss.backward()
     assert model.pointer_query_proj.weight.grad is not None
+
+
+def test_sao_order_weights():
+    from modeling.modeling_indigo import sao_order_weights
+
+    scores = torch.tensor([[-1.0, -2.0, float("-inf")], [-3.0, -3.0, -3.0]])
+    uniform = sao_order_weights(scores, "uniform")
+    assert torch.allclose(uniform, torch.tensor([[0.5, 0.5, 0.0], [1 / 3, 1 / 3, 1 / 3]]))
+    posterior = sao_order_weights(scores, "posterior")
+    assert torch.allclose(posterior[0, :2], torch.tensor([1.0, 0.0]).softmax(-1)) and posterior[0, 2] == 0
+    with pytest.raises(ValueError, match="sao_order_weighting"):
+        sao_order_weights(scores, "max")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from transformers import Seq2SeqTrainer, TrainerCallback
 
 from configuration.configuration_indigo import InDIGOConfig
-from modeling.modeling_indigo import InDIGOForConditionalGeneration
+from modeling.modeling_indigo import SAO_ORDER_WEIGHTINGS, InDIGOForConditionalGeneration
 from training_scripts.indigo_orders import ALL_ORDERS, InDIGODataCollator, common_token_ids_by_frequency, load_spacy_pipeline
 from training_scripts.model_registry import MethodSpec
 
@@ -44,6 +44,10 @@ class InDIGOArguments:
         default=None,
         metadata={"help": "SAO: train on the best k of the B found orders (default: all B, Eq. 12)."},
     )
+    sao_order_weighting: str = field(
+        default="uniform",
+        metadata={"help": "SAO: 'uniform' over the found orders (Eq. 12) or 'posterior' (q proportional to p(y_pi|x) on the beam)."},
+    )
     indigo_encoder_positions: bool | None = field(
         default=None,
         metadata={"help": "Absolute positions in the encoder; false for word order recovery (a bag of words)."},
@@ -58,6 +62,8 @@ class InDIGOArguments:
             raise ValueError(f"--sao_beam_size must be >= 1, got {self.sao_beam_size}")
         if self.sao_bootstrap_steps < 0:
             raise ValueError(f"--sao_bootstrap_steps must be >= 0, got {self.sao_bootstrap_steps}")
+        if self.sao_order_weighting not in SAO_ORDER_WEIGHTINGS:
+            raise ValueError(f"--sao_order_weighting must be one of {SAO_ORDER_WEIGHTINGS}, got {self.sao_order_weighting!r}")
         if self.sao_train_orders is not None and not 1 <= self.sao_train_orders <= self.sao_beam_size:
             raise ValueError(f"--sao_train_orders must be in [1, --sao_beam_size], got {self.sao_train_orders}")
 
@@ -80,6 +86,7 @@ def build_indigo_model(model_args, method_args, config, tokenizer):
         model.sao_beam_size = method_args.sao_beam_size
         model.sao_search_dropout = method_args.sao_search_dropout
         model.sao_train_orders = method_args.sao_train_orders
+        model.sao_order_weighting = method_args.sao_order_weighting
         model.use_searched_orders = method_args.order == "sao" and method_args.sao_bootstrap_steps == 0
     return model
 

@@ -1,0 +1,167 @@
+"""InDIGO speed, side by side with the baseline Transformer of the same size (the paper's Table 6).
+
+`transformer_iwslt_de_en` dims (6+6 blocks, d=512, FFN 1024, 4 heads), joint vocabulary 10152, batch 32 × 30
+source and target tokens, random weights:
+
+- greedy decoding, forced to exactly 30 insertions / tokens (`min_new_tokens` blocks `<eod>` / `</s>`):
+  ms per sentence, InDIGO (incremental: KV cache + append-only R, pointer keys cached) vs the baseline;
+- one training step (forward, loss, backward, AdamW): InDIGO with the L2R order, with SAO (B=8; Eq. 12 over all
+  8 found orders, and over the best one), and the SAO search alone; ratios to the L2R step.
+
+Timings are interleaved and the median of `--repeats` is reported. Run under the exclusive CPU lock:
+
+    flock -x /tmp/flexformers-cpu.lock python benchmarks/bench_indigo.py [--repeats 3] [--precision fp32 bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from configuration.configuration_flexformer import FlexformerConfig  # noqa: E402
+from configuration.configuration_indigo import InDIGOConfig  # noqa: E402
+from modeling.modeling_flexformer import FlexformerForConditionalGeneration  # noqa: E402
+from modeling.modeling_indigo import InDIGOForConditionalGeneration  # noqa: E402
+from training_scripts.indigo_orders import InDIGODataCollator  # noqa: E402
+
+VOCAB = 10152
+
+
+def make_batch(batch: int, length: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    source = torch.randint(5, VOCAB, (batch, length), generator=generator)
+    source[:, -1] = 2
+    target = torch.randint(5, VOCAB, (batch, length), generator=generator)
+    target[:, -1] = 2
+    return source, target
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def interleaved(functions: dict, repeats: int, warmup: int = 1) -> dict[str, float]:
+    for fn in functions.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in functions}
+    for _ in range(repeats):
+        for name, fn in functions.items():
+            times[name].append(timed(fn))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def greedy_fn(model, source, length):
+    model = model.eval()
+    mask = source.ne(1).long()
+
+    def run():
+        with torch.inference_mode():
+            out = model.generate(source, attention_mask=mask, num_beams=1, do_sample=False,
+                                 max_new_tokens=length, min_new_tokens=length)
+        # baseline: </s> + 30 tokens; InDIGO: <s> + 30 words + </s>
+        assert out.shape[1] in (length + 1, length + 2), out.shape
+
+    return run
+
+
+def train_fn(model, batch: dict, precision: str):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def run():
+        model.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return run
+
+
+def search_fn(model, batch: dict, beams: int, precision: str):
+    def run():
+        model.train()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            mask = batch["attention_mask"]
+            encoder = model.model.encoder(batch["input_ids"], attention_mask=mask).last_hidden_state
+            model.search_adaptive_orders(encoder, mask, batch["target_ids"], batch["target_lengths"], beam_size=beams)
+
+    return run
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--length", type=int, default=30)
+    parser.add_argument("--sao-beam", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-train", action="store_true")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, label_smoothing=0.1)
+    baseline_config = FlexformerConfig.from_preset("transformer_iwslt_de_en", **common)
+    indigo_config = InDIGOConfig.from_preset("transformer_iwslt_de_en", **common)
+    source, target = make_batch(args.batch, args.length)
+    features = [{"input_ids": s.tolist(), "labels": t.tolist()} for s, t in zip(source, target)]
+    l2r_batch = InDIGODataCollator(order="l2r", pad_to_multiple_of=None)(features)
+    sao_batch = InDIGODataCollator(order="sao", pad_to_multiple_of=None)(features)
+    results = {"batch": args.batch, "length": args.length, "threads": args.threads, "sao_beam": args.sao_beam}
+    for precision in args.precision:
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        baseline = FlexformerForConditionalGeneration(baseline_config)
+        indigo = InDIGOForConditionalGeneration(indigo_config)
+        row = {
+            "params_baseline": sum(p.numel() for p in baseline.parameters()),
+            "params_indigo": sum(p.numel() for p in indigo.parameters()),
+        }
+        decode = interleaved(
+            {
+                "baseline": greedy_fn(baseline.to(dtype), source, args.length),
+                "indigo": greedy_fn(indigo.to(dtype), source, args.length),
+            },
+            args.repeats,
+        )
+        row["greedy_ms_per_sentence"] = {k: 1000 * v / args.batch for k, v in decode.items()}
+        row["greedy_ratio"] = decode["indigo"] / decode["baseline"]
+        if not args.skip_train:
+            baseline, indigo = baseline.float(), indigo.float()
+            sao_all = InDIGOForConditionalGeneration(indigo_config)
+            sao_all.use_searched_orders, sao_all.sao_beam_size = True, args.sao_beam
+            sao_best = InDIGOForConditionalGeneration(indigo_config)
+            sao_best.use_searched_orders, sao_best.sao_beam_size, sao_best.sao_train_orders = True, args.sao_beam, 1
+            baseline_batch = {"input_ids": source, "labels": target}
+            train = interleaved(
+                {
+                    "baseline": train_fn(baseline, baseline_batch, precision),
+                    "indigo_l2r": train_fn(indigo, l2r_batch, precision),
+                    f"sao_b{args.sao_beam}_eq12_all_orders": train_fn(sao_all, sao_batch, precision),
+                    f"sao_b{args.sao_beam}_best_order": train_fn(sao_best, sao_batch, precision),
+                    f"sao_b{args.sao_beam}_search_only": search_fn(sao_all, sao_batch, args.sao_beam, precision),
+                },
+                args.repeats,
+            )
+            row["train_step_s"] = train
+            row["train_ratio_to_l2r"] = {k: v / train["indigo_l2r"] for k, v in train.items()}
+        results[precision] = row
+        print(json.dumps({precision: row}, indent=1), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
