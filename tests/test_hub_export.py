@@ -458,6 +458,40 @@ def test_bad_checkpoints_fail_clearly_and_write_nothing(tmp_path, baseline_check
     assert not out.exists()
 
 
+def test_card_lists_training_arguments_and_decoded_samples(tmp_path, baseline_checkpoint):
+    from transformers import Seq2SeqTrainingArguments
+
+    arguments = Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path / "unused"), learning_rate=5e-4, lr_scheduler_type="inverse_sqrt", warmup_steps=4000,
+        weight_decay=1e-4, adam_beta2=0.98, per_device_train_batch_size=32, max_steps=1000, report_to="none",
+    )
+    torch.save(arguments, baseline_checkpoint / "training_args.bin")
+    rows = [{"source": f"source {i}", "reference": f"reference {i}", "hypothesis": f"output {i}"} for i in range(5)]
+    (baseline_checkpoint / "generations.test.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    out = export_checkpoint(baseline_checkpoint, tmp_path / "hub")
+    card = (out / "README.md").read_text()
+    assert "| `learning_rate` | `0.0005` |" in card and "| `lr_scheduler_type` | `inverse_sqrt` |" in card
+    assert "| `max_steps` | `1000` |" in card and "num_train_epochs" not in card
+    assert "output:    output 2" in card and "source 3" not in card  # the first three samples
+    assert 'tokenizer(["source 0"]' in card  # the usage example feeds a real test source
+
+
+def test_tampered_training_arguments_are_not_unpickled(tmp_path, baseline_checkpoint, caplog):
+    import pickle
+
+    marker = tmp_path / "executed"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (baseline_checkpoint / "training_args.bin").write_bytes(pickle.dumps(Exploit()))
+    assert export_to_hub.read_training_arguments(baseline_checkpoint) == {}
+    assert not marker.exists()
+    assert "training_args.bin" in caplog.text
+
+
 def test_missing_eval_results_can_be_allowed(tmp_path, baseline_checkpoint):
     from huggingface_hub import ModelCard
 

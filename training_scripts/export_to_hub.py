@@ -65,7 +65,34 @@ TASK_NAMES = {
     "codegen": "Code generation (docstring to Python)",
     "code2doc": "Code documentation (Python to docstring)",
     "word_order": "Word order recovery",
+    "files": "Sequence to sequence (parallel files)",
+    "hub": "Sequence to sequence (Hub dataset)",
 }
+#: Generation settings the card does not list (Transformers' bookkeeping, not decoding choices).
+CARD_HIDDEN_GENERATION = frozenset(
+    {"transformers_version", "_from_model_config", "output_attentions", "output_hidden_states", "use_cache"}
+)
+#: Optimisation settings the card lists from the checkpoint's ``training_args.bin``.
+CARD_TRAINING_ARGUMENTS = (
+    "learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "optim", "adam_beta1", "adam_beta2",
+    "adam_epsilon", "weight_decay", "max_grad_norm", "per_device_train_batch_size", "gradient_accumulation_steps",
+    "num_train_epochs", "max_steps", "seed", "bf16",
+)
+#: The classes a ``Seq2SeqTrainer``'s ``training_args.bin`` pickles; only these may be rebuilt when reading it
+#: (``torch.load(weights_only=True)``), so a tampered file cannot run code.
+_TRAINING_ARGS_GLOBALS = (
+    "transformers.training_args_seq2seq.Seq2SeqTrainingArguments",
+    "transformers.training_args.TrainingArguments",
+    "transformers.trainer_utils.SchedulerType",
+    "transformers.training_args.OptimizerNames",
+    "transformers.trainer_utils.IntervalStrategy",
+    "transformers.trainer_utils.SaveStrategy",
+    "transformers.trainer_utils.HubStrategy",
+    "transformers.trainer_utils.FSDPOption",
+    "transformers.trainer_pt_utils.AcceleratorConfig",
+    "accelerate.state.PartialState",
+    "accelerate.utils.dataclasses.DistributedType",
+)
 
 
 class ExportError(ValueError):
@@ -398,6 +425,63 @@ def _safetensors_data_end(path: Path) -> int:
     return 8 + header_length + data_end
 
 
+def read_training_arguments(checkpoint: Path) -> dict[str, Any]:
+    """The optimisation settings of ``training_args.bin`` (Trainer pickles its arguments), read with
+    ``torch.load(weights_only=True)`` allowing only the argument classes; ``{}`` when absent or unreadable."""
+    import enum
+    import importlib
+
+    import torch
+
+    path = checkpoint / "training_args.bin"
+    if not path.is_file():
+        return {}
+    allowed = []
+    for dotted in _TRAINING_ARGS_GLOBALS:
+        module_name, _, name = dotted.rpartition(".")
+        try:
+            allowed.append(getattr(importlib.import_module(module_name), name))
+        except (ImportError, AttributeError):
+            continue
+    try:
+        with torch.serialization.safe_globals(allowed):
+            arguments = torch.load(str(path), weights_only=True, map_location="cpu")
+    except Exception as error:  # an unexpected class or a damaged file: the card just omits these settings
+        logger.warning("not reading %s (%s); the card lists no optimisation settings", path, error)
+        return {}
+    settings = {}
+    for name in CARD_TRAINING_ARGUMENTS:
+        value = getattr(arguments, name, None)
+        if isinstance(value, enum.Enum):
+            value = value.value
+        if value is None or (name == "max_steps" and value <= 0) or (name == "warmup_ratio" and not value):
+            continue
+        settings[name] = value
+    if "max_steps" in settings:
+        settings.pop("num_train_epochs", None)  # Trainer ignores the epoch count when max_steps is set
+    return settings
+
+
+def read_generation_samples(checkpoint: Path, split: str, count: int = 3) -> list[dict[str, str]]:
+    """The first ``count`` (source, reference, hypothesis) rows ``flexformers-decode`` wrote for ``split``."""
+    path = checkpoint / f"generations.{split}.jsonl"
+    if not path.is_file():
+        return []
+    samples = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            if not isinstance(row, dict) or not all(isinstance(row.get(key), str) for key in ("source", "hypothesis")):
+                break
+            samples.append({key: row.get(key, "") for key in ("source", "reference", "hypothesis")})
+            if len(samples) == count:
+                break
+    return samples
+
+
 def read_eval_results(checkpoint: Path) -> dict[str, Any] | None:
     """``eval_results.json`` (see ``flexformers-decode``), validated; ``None`` when the file does not exist."""
     path = checkpoint / EVAL_RESULTS_FILE
@@ -493,6 +577,31 @@ CARD_CONFIG_FIELDS = (
 )
 
 
+#: Baseline fields a method sets to change the architecture (the backbone's seams).
+_SEAM_FIELDS = (
+    "encoder_use_positions", "decoder_use_positions", "encoder_attention_branches", "decoder_attention_branches",
+    "encoder_ffn_branches", "decoder_ffn_branches",
+)
+_CONFIG_BOOKKEEPING = frozenset(
+    {"auto_map", "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "_name_or_path"}
+)
+
+
+def method_specific_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config fields that make this model its method: the fields the baseline config does not have, and the
+    backbone's seam switches where they differ from the baseline."""
+    from configuration.configuration_flexformer import FlexformerConfig
+
+    baseline = FlexformerConfig().to_dict()
+    fields = {}
+    for key, value in config.items():
+        if key in _CONFIG_BOOKKEEPING:
+            continue
+        if key not in baseline or (key in _SEAM_FIELDS and value != baseline[key]):
+            fields[key] = value
+    return fields
+
+
 def build_card_data(
     model_name: str,
     eval_results: dict[str, Any] | None,
@@ -546,6 +655,9 @@ def render_model_card(
     num_parameters: int | None,
     auto_map: dict[str, str],
     source_tokenizer_subfolder: str | None = None,
+    training_arguments: dict[str, Any] | None = None,
+    samples: Sequence[dict[str, str]] = (),
+    method_config: dict[str, Any] | None = None,
     language: Sequence[str] | None = None,
     license: str | None = None,
     datasets: Sequence[str] | None = None,
@@ -581,13 +693,18 @@ def render_model_card(
         model_type=model_type,
         config=config,
         hyperparameters={key: config[key] for key in CARD_CONFIG_FIELDS if config.get(key) is not None},
-        generation=generation_config,
+        generation={key: value for key, value in generation_config.items() if key not in CARD_HIDDEN_GENERATION},
         method_generation={
             key: value
             for key, value in generation_config.items()
             if key not in default_generation and key not in ("transformers_version", "_from_model_config")
         },
         eval=eval_results,
+        task_name=TASK_NAMES.get(eval_results["task"], eval_results["task"]) if eval_results else None,
+        training_arguments=training_arguments or {},
+        method_config=method_config or {},
+        samples=list(samples),
+        example_input=samples[0]["source"] if samples else None,
         datasets=list(datasets or []),
         metric_names=METRIC_NAMES,
         training=training,
@@ -801,6 +918,9 @@ def export_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.PathLi
             training=read_training_summary(checkpoint),
             num_parameters=model.num_parameters(),
             source_tokenizer_subfolder=SOURCE_TOKENIZER_SUBDIR if source_tokenizer is not target_tokenizer else None,
+            training_arguments=read_training_arguments(checkpoint),
+            method_config=method_specific_config(saved_config),
+            samples=read_generation_samples(checkpoint, eval_results["split"]) if eval_results else [],
             auto_map=auto_map,
             language=options.language,
             license=options.license,
