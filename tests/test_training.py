@@ -244,3 +244,18 @@ def test_quickstart_smoke(tmp_path, capsys):
     assert "REFERENCE:" in printed and "GENERATED:" in printed and "sacrebleu signature:" in printed
     assert set(result["eval"]["metrics"]) == {"bleu", "chrf", "ter", "pov"}
     assert (tmp_path / "qs" / "eval_results.json").is_file() and (tmp_path / "qs" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", [m for m in available_model_types() if m != "flexformer"])
+def test_every_registered_model_type_trains_and_decodes(tmp_path, model_type):
+    """The one entry point: each method module plugs into flexformers-train / flexformers-decode."""
+    out = tmp_path / model_type
+    argv = tiny_argv(out, "--max_steps", "2", "--save_strategy", "no")
+    argv[argv.index("--model_type") + 1] = model_type
+    results = train.run_from_argv(argv)
+    assert results["train"]["train_samples"] > 0
+    assert json.loads((out / "config.json").read_text())["model_type"] == model_type
+    decoded = decode.run_from_argv(["--model_name_or_path", str(out), "--split", "validation", "--max_samples", "2",
+                                    "--num_beams", "2", "--max_new_tokens", "6", "--num_samples_to_print", "0"])
+    assert decoded["num_examples"] == 2 and set(decoded["metrics"]) >= {"bleu", "chrf", "ter", "pov"}

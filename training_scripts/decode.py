@@ -55,6 +55,10 @@ class DecodeArguments:
     num_samples_to_print: int = field(default=3, metadata={"help": "Show this many hypotheses next to references."})
     bf16: bool = field(default=False, metadata={"help": "Cast the weights to bfloat16 (faster on CPUs with AMX)."})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda, cuda:1 ... (default: cuda if available)."})
+    within_training_lengths: bool = field(
+        default=False,
+        metadata={"help": "Score only pairs that fit the training --max_source_length/--max_target_length (in tokens)."},
+    )
     write_eval_results: bool = field(default=True, metadata={"help": f"Write {EVAL_RESULTS_FILE} into the model dir."})
     seed: int = field(default=0, metadata={"help": "Seed (for models that sample during decoding)."})
 
@@ -174,6 +178,13 @@ def run(decode_args: DecodeArguments, data_args: DataArguments) -> dict:
 
     corpus = load_corpus(data_args)
     split = corpus[decode_args.split]
+    if decode_args.within_training_lengths:
+        fits = [
+            len(source_tokenizer(row["source"])["input_ids"]) <= data_args.max_source_length
+            and len(target_tokenizer(row["target"])["input_ids"]) <= data_args.max_target_length
+            for row in split
+        ]
+        split = split.select([index for index, keep in enumerate(fits) if keep])
     if decode_args.max_samples is not None:
         split = split.select(range(min(decode_args.max_samples, len(split))))
     if len(split) == 0:
@@ -195,6 +206,7 @@ def run(decode_args: DecodeArguments, data_args: DataArguments) -> dict:
         "dataset": describe_dataset(data_args),
         "split": decode_args.split,
         "num_examples": len(sources),
+        "within_training_lengths": decode_args.within_training_lengths,
         "metrics": {name: round(scores[name], 2) for name in metric_names},
         "sacrebleu_signature": scores["sacrebleu_signature"],
         "chrf_signature": scores["chrf_signature"],
@@ -220,7 +232,8 @@ def print_report(results, sources, references, hypotheses, num_samples, output_f
     print("-" * 72)
     labels = {"bleu": "BLEU", "chrf": "chrF", "ter": "TER", "pov": "PoV"}
     metrics = "  ".join(f"{labels.get(name, name)} {value:.2f}" for name, value in results["metrics"].items())
-    print(f"{results['dataset']} [{results['split']}, {results['num_examples']} examples, beam {results['num_beams']}, "
+    subset = " within the training lengths" if results.get("within_training_lengths") else ""
+    print(f"{results['dataset']} [{results['split']}, {results['num_examples']} examples{subset}, beam {results['num_beams']}, "
           f"lenpen {results['length_penalty']}]: {metrics}")
     print(f"sacrebleu signature: {results['sacrebleu_signature']}")
     throughput = results["throughput"]

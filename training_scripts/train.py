@@ -246,6 +246,40 @@ class MaxTimeCallback(TrainerCallback):
         return control
 
 
+class TimeBudgetProgressCallback(TrainerCallback):
+    """With ``--max_train_minutes``: a progress bar over the time budget (not over a step count that will never be
+    reached), showing the update count and the latest training loss."""
+
+    def __init__(self, max_minutes: float):
+        self.max_seconds = 60.0 * max_minutes
+        self.bar = None
+        self.start = None
+        self.last_loss = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            from tqdm.auto import tqdm
+
+            self.start = time.monotonic()
+            self.bar = tqdm(total=round(self.max_seconds), unit="s", desc="training",
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s{postfix}")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.n = min(round(time.monotonic() - self.start), self.bar.total)
+            postfix = f"update {state.global_step}" + (f", loss {self.last_loss:.3f}" if self.last_loss is not None else "")
+            self.bar.set_postfix_str(postfix, refresh=True)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.last_loss = float(logs["loss"])
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
 class SaveSidecarFilesCallback(TrainerCallback):
     """Make every checkpoint directory self-contained for ``flexformers-decode``: the data arguments (task,
     corpus) and, with separate vocabularies, the source tokenizer."""
@@ -322,6 +356,8 @@ def run(spec, model_args, data_args, training_args, method_args, extra_callbacks
     callbacks.append(SaveSidecarFilesCallback(data_args, source_tokenizer if source_tokenizer is not target_tokenizer else None))
     if model_args.max_train_minutes:
         callbacks.append(MaxTimeCallback(model_args.max_train_minutes))
+    if model_args.max_train_minutes and not training_args.disable_tqdm:
+        callbacks.append(TimeBudgetProgressCallback(model_args.max_train_minutes))
     trainer_class = spec.trainer_class or Seq2SeqTrainer
     trainer = trainer_class(
         model=model,
@@ -334,6 +370,10 @@ def run(spec, model_args, data_args, training_args, method_args, extra_callbacks
         callbacks=callbacks,
     )
 
+    if model_args.max_train_minutes and not training_args.disable_tqdm:
+        from transformers.trainer_callback import ProgressCallback
+
+        trainer.remove_callback(ProgressCallback)  # a step-count bar towards an unreachable max_steps misleads
     results: dict = {}
     if training_args.do_train:
         train_result = trainer.train(resume_from_checkpoint=resume_checkpoint)
