@@ -403,6 +403,33 @@ def test_export_writes_a_complete_hub_folder(tmp_path, baseline_checkpoint):
     assert leftovers(tmp_path) == []
 
 
+def test_separate_vocabularies_ship_the_source_tokenizer_in_a_subfolder(tmp_path):
+    from transformers import AutoTokenizer
+
+    from configuration.configuration_flexformer import FlexformerConfig
+    from modeling.modeling_flexformer import FlexformerForConditionalGeneration
+    from tests.conftest import tiny_config_kwargs
+    from training_scripts.tokenizer import build_tokenizers, save_tokenizers
+
+    source, target = build_tokenizers(
+        TINY_TEXTS[::2] * 4, TINY_TEXTS[1::2] * 4, joint=False, vocab_size=270, target_vocab_size=265, min_frequency=1
+    )
+    config = FlexformerConfig(
+        **tiny_config_kwargs(vocab_size=len(source), target_vocab_size=len(target), share_all_embeddings=False)
+    )
+    checkpoint = tmp_path / "checkpoint"
+    FlexformerForConditionalGeneration(config).save_pretrained(str(checkpoint))
+    save_tokenizers(checkpoint, source, target)
+    (checkpoint / "eval_results.json").write_text(json.dumps(EVAL_RESULTS))
+
+    out = export_checkpoint(checkpoint, tmp_path / "hub")
+    loaded_source = AutoTokenizer.from_pretrained(str(out), subfolder="source_tokenizer", trust_remote_code=True)
+    loaded_target = AutoTokenizer.from_pretrained(str(out), trust_remote_code=True)
+    assert (len(loaded_source), len(loaded_target)) == (len(source), len(target))
+    assert loaded_source("the cat sees a dog")["input_ids"] == source("the cat sees a dog")["input_ids"]
+    assert 'subfolder="source_tokenizer"' in (out / "README.md").read_text()
+
+
 def test_export_overwrite_replaces_and_refuses_without_flag(tmp_path, baseline_checkpoint):
     out = tmp_path / "hub"
     out.mkdir()
