@@ -145,6 +145,11 @@ class DepthAdaptiveConfig(FlexformerConfig):
             raise ValueError(
                 f"DepthAdaptiveConfig.exit_strategy must be one of {EXIT_STRATEGIES} or None, got {self.exit_strategy!r}"
             )
+        if self.decoder_layerdrop:
+            raise ValueError(
+                "DepthAdaptiveConfig.decoder_layerdrop must be 0: every block below an exit is computed (or its "
+                f"state copied) by construction, got {self.decoder_layerdrop!r}"
+            )
         if self.mixed_num_samples < 1:
             raise ValueError(f"DepthAdaptiveConfig.mixed_num_samples must be >= 1, got {self.mixed_num_samples!r}")
         if self.gradient_scaling is not None:

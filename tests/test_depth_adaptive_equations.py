@@ -70,6 +70,7 @@ def test_config_defaults_and_round_trip(tmp_path):
         ({"exit_strategy": "fixed"}, "fixed_exit"),
         ({"exit_thresholds": [0.5]}, "exit_thresholds"),
         ({"exit_thresholds": [0.5, 1.5]}, "exit_thresholds"),
+        ({"decoder_layerdrop": 0.1}, "decoder_layerdrop"),
     ],
 )
 def test_config_rejects_bad_values_naming_the_field(overrides, field):
