@@ -476,8 +476,7 @@ def test_bad_checkpoints_fail_clearly_and_write_nothing(tmp_path, baseline_check
     out = tmp_path / "exports" / "hub"
     with pytest.raises(ExportError, match=message):
         export_checkpoint(baseline_checkpoint, out)
-    assert not out.exists()
-    assert not (tmp_path / "exports").exists() or leftovers(tmp_path / "exports") == []
+    assert not (tmp_path / "exports").exists()
 
     # The command line reports the same message on stderr with exit status 1.
     assert export_to_hub.main([str(baseline_checkpoint), str(out)]) == 1
@@ -535,6 +534,9 @@ def test_failure_after_staging_removes_the_staging_directory(tmp_path, baseline_
     with pytest.raises(ExportError, match="card exploded"):
         export_checkpoint(baseline_checkpoint, tmp_path / "hub")
     assert not (tmp_path / "hub").exists() and leftovers(tmp_path) == []
+    with pytest.raises(ExportError, match="card exploded"):
+        export_checkpoint(baseline_checkpoint, tmp_path / "new" / "dirs" / "hub")
+    assert not (tmp_path / "new").exists()  # parents the export created are removed again
 
 
 def test_push_to_hub_uses_huggingface_hub_create_repo_and_upload_folder(tmp_path, baseline_checkpoint, monkeypatch):

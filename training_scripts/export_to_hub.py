@@ -889,6 +889,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.PathLi
 
     from training_scripts.tokenizer import SOURCE_TOKENIZER_SUBDIR, save_tokenizers
 
+    created_parents = [parent for parent in output_dir.parents if not parent.exists()]
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.export-", dir=output_dir.parent))
     try:
@@ -931,6 +932,11 @@ def export_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.PathLi
         _replace_directory(staging, output_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        for parent in created_parents:  # innermost first; only the directories this call created
+            try:
+                parent.rmdir()
+            except OSError:
+                break
         raise
     return output_dir
 
