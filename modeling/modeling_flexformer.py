@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutput,
@@ -216,6 +216,8 @@ class StepKVCollector:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self._rows_written = 0
+        # (keys, values, past_length): this step's [batch, heads, past + q, d] buffers once `extend` used them
+        self._extended: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     def past(self, rows: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         layers = getattr(self.cache, "layers", [])
@@ -229,6 +231,13 @@ class StepKVCollector:
         return _index_rows(layer.keys, rows), _index_rows(layer.values, rows)
 
     def add(self, rows: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self._extended is not None:  # `extend` already holds this step's buffers: write there
+            full_keys, full_values, past_length = self._extended
+            index = slice(None) if rows is None else rows
+            full_keys[index, :, past_length:] = keys
+            full_values[index, :, past_length:] = values
+            self._rows_written += keys.shape[0]
+            return
         if rows is None:
             self.keys, self.values = keys, values
             self._rows_written = self.batch_size
@@ -245,7 +254,61 @@ class StepKVCollector:
             self.values = self.values.index_copy(0, rows, values)
         self._rows_written += keys.shape[0]
 
+    def extend(
+        self, rows: torch.Tensor | slice | None, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """`add` the new keys/values of `rows`, and return what those rows attend over (past + new) with the past
+        length. For a contiguous block of rows (a `slice`) the past is copied once per layer and step into a
+        `[batch, heads, past + q, d]` buffer; every block writes its new positions into it in place and attends over
+        a view of it, and `flush` hands it to the cache as is — one copy of the past per step, as the plain path."""
+        if not isinstance(rows, slice):
+            self.add(rows, keys, values)
+            if self._extended is not None:
+                full_keys, full_values, past_length = self._extended
+                index = slice(None) if rows is None else rows
+                return full_keys[index], full_values[index], past_length
+            past_keys, past_values = self.past(rows)
+            if past_keys is None:
+                return keys, values, 0
+            return (
+                torch.cat([past_keys, keys], dim=2), torch.cat([past_values, values], dim=2), past_keys.shape[2]
+            )
+        if self._extended is None:
+            past_keys, past_values = self.past(None)
+            past_length = 0 if past_keys is None else past_keys.shape[2]
+            shape = (self.batch_size, keys.shape[1], past_length + keys.shape[2], keys.shape[3])
+            full_keys, full_values = keys.new_zeros(shape), values.new_zeros(shape)
+            if past_length:
+                full_keys[:, :, :past_length] = past_keys
+                full_values[:, :, :past_length] = past_values
+            if self.keys is not None:  # rows written by `add` before: move them into the buffer
+                full_keys[:, :, past_length:] = self.keys
+                full_values[:, :, past_length:] = self.values
+                self.keys = self.values = None
+            self._extended = (full_keys, full_values, past_length)
+        full_keys, full_values, past_length = self._extended
+        full_keys[rows, :, past_length:] = keys
+        full_values[rows, :, past_length:] = values
+        self._rows_written += keys.shape[0]
+        return full_keys[rows], full_values[rows], past_length
+
     def flush(self) -> None:
+        if self._extended is not None:
+            if self._rows_written != self.batch_size:
+                raise RuntimeError(
+                    f"layer {self.layer_idx}: new keys/values were written for {self._rows_written} of "
+                    f"{self.batch_size} rows; every row must be written once per step to keep the cache consistent"
+                )
+            full_keys, full_values, past_length = self._extended
+            layers = getattr(self.cache, "layers", [])
+            layer = layers[self.layer_idx] if self.layer_idx < len(layers) else None
+            if past_length and type(layer) is DynamicLayer:
+                layer.keys, layer.values = full_keys, full_values  # the buffer already holds past + new
+            else:
+                self.cache.update(full_keys[:, :, past_length:], full_values[:, :, past_length:], self.layer_idx)
+            self._extended = None
+            self._rows_written = 0
+            return
         if self.keys is None:
             return
         if self._rows_written != self.batch_size:
@@ -428,12 +491,7 @@ class FlexformerAttention(nn.Module):
         else:
             key, value = self.project_key_value(hidden_states)
             if kv_collector is not None:
-                kv_collector.add(rows, key, value)
-                past_key, past_value = kv_collector.past(rows)
-                if past_key is not None:
-                    past_length = past_key.shape[2]
-                    key = torch.cat([past_key, key], dim=2)
-                    value = torch.cat([past_value, value], dim=2)
+                key, value, past_length = kv_collector.extend(rows, key, value)
             elif past_key_values is not None:
                 self_cache = _self_attention_cache(past_key_values)
                 past_length = self_cache.get_seq_length(self.layer_idx)
