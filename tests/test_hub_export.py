@@ -329,7 +329,13 @@ def test_eval_results_missing_a_field(tmp_path):
     results = dict(EVAL_RESULTS)
     del results["dataset"]
     (tmp_path / "eval_results.json").write_text(json.dumps(results))
-    with pytest.raises(ExportError, match="lacks the field 'dataset'"):
+    with pytest.raises(ExportError, match="lacks the field 'dataset'.*run flexformers-decode"):
+        export_to_hub.read_eval_results(tmp_path)
+
+
+def test_trainer_metrics_in_place_of_the_evaluation_are_recognised(tmp_path):
+    (tmp_path / "eval_results.json").write_text(json.dumps({"epoch": 3.0, "eval_loss": 2.5, "eval_bleu": 10.0}))
+    with pytest.raises(ExportError, match="look like Trainer.save_metrics output"):
         export_to_hub.read_eval_results(tmp_path)
 
 

@@ -347,9 +347,9 @@ def resolve_model_type(model_type: str) -> RemoteClasses:
     base_model_class = spec.model_class
     try:
         import modeling  # noqa: F401  (registers every model type with the Auto classes)
-        from transformers import AutoModel
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
-        base_model_class = AutoModel._model_mapping[spec.config_class]
+        base_model_class = MODEL_MAPPING[spec.config_class]
     except (ImportError, KeyError):
         pass
     return RemoteClasses(spec.config_class, spec.model_class, base_model_class)
@@ -490,9 +490,18 @@ def read_eval_results(checkpoint: Path) -> dict[str, Any] | None:
     results = _read_json(path, "evaluation results")
     if not isinstance(results, dict):
         raise ExportError(f"{path} must hold a JSON object")
-    for field in ("task", "dataset", "split", "metrics"):
-        if field not in results:
-            raise ExportError(f"{path} lacks the field {field!r}")
+    missing = [field for field in ("task", "dataset", "split", "metrics") if field not in results]
+    if missing:
+        origin = (
+            " (its eval_* keys look like Trainer.save_metrics output, e.g. flexformers-train --do_eval, which "
+            "overwrites the decode command's file)"
+            if any(key.startswith("eval_") for key in results)
+            else ""
+        )
+        raise ExportError(
+            f"{path} lacks the field {missing[0]!r}: it is not flexformers-decode's evaluation{origin}; "
+            f"run flexformers-decode --model_name_or_path {checkpoint} --split test to write it"
+        )
     for field in ("task", "dataset", "split"):
         if not isinstance(results[field], str) or not results[field]:
             raise ExportError(f"{path}: {field!r} must be a non-empty string, found {results[field]!r}")
@@ -929,6 +938,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.PathLi
             cards_dir=options.cards_dir,
         )
         (staging / "README.md").write_text(card, encoding="utf-8")
+        for path in staging.rglob("*"):  # some writers (safetensors) create 0600 files
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~_current_umask())
         _replace_directory(staging, output_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
