@@ -1,6 +1,6 @@
 """Depth-Adaptive early-exit decoding speed against full-depth decoding of the same model.
 
-    flock -x /tmp/flexformers-cpu.lock python benchmarks/bench_depth_adaptive.py [--dtype bfloat16] [--out FILE]
+    flock -x /tmp/flexformers-cpu.lock python benchmarks/bench_depth_adaptive.py [--repeats 3] [--out FILE]
 
 The paper's IWSLT architecture (``depth_adaptive_iwslt_de_en``: d_enc 512, d_dec 256, FFN 1024, 4 heads, N = 6,
 six untied classifiers over a 10152-token vocabulary), random weights. Every run decodes exactly ``--steps`` tokens
@@ -15,7 +15,8 @@ they pick. Rows:
 - ``confidence``: confidence thresholding with thresholds set the same way (it pays a 10152-way classifier after
   every block it passes).
 
-*Decoder time* is the wall time spent in the model's forward during ``generate`` (the decoder blocks, the
+Repetitions are interleaved (every case once per repetition) and the median is reported. *Decoder time* is the
+wall time spent in the model's forward during ``generate`` (the decoder blocks, the
 classifiers and the halting decisions; the encoder runs outside it); the ratio is against ``full``. The
 *generate* column is the whole ``generate`` call (encoder and Transformers' search loop included).
 """
@@ -119,23 +120,19 @@ def calibrate(model, source, exit_fraction: float) -> list[float]:
 
 
 def run_case(model, batches, beams: int, steps: int, settings: dict, counter: ExitCounter | None):
-    timer_model = model
-    timer = ForwardTimer(timer_model)
+    """One pass over ``batches``: (decoder seconds, generate seconds, AE)."""
+    timer = ForwardTimer(model)
     if counter is not None:
         counter.total = counter.count = 0
     generate_seconds = 0.0
-    for index, source in enumerate(batches):
-        kwargs = dict(attention_mask=source.ne(PAD).long(), num_beams=beams, max_new_tokens=steps,
-                      min_new_tokens=steps, early_stopping=False, do_sample=False, **settings)
-        if index == 0:  # warm-up, not timed
-            model.generate(source, **kwargs)
-            timer.seconds = 0.0
-            if counter is not None:
-                counter.total = counter.count = 0
-        start = time.perf_counter()
-        model.generate(source, **kwargs)
-        generate_seconds += time.perf_counter() - start
-    del timer_model.forward  # restore the class method
+    try:
+        for source in batches:
+            start = time.perf_counter()
+            model.generate(source, attention_mask=source.ne(PAD).long(), num_beams=beams, max_new_tokens=steps,
+                           min_new_tokens=steps, early_stopping=False, do_sample=False, **settings)
+            generate_seconds += time.perf_counter() - start
+    finally:
+        del model.forward  # back to the class method
     return timer.seconds, generate_seconds, (counter.average_exit if counter is not None else 6.0)
 
 
@@ -143,10 +140,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="Interleaved repetitions (median reported).")
     parser.add_argument("--steps", type=int, default=30, help="Decoded tokens per hypothesis.")
     parser.add_argument("--source_length", type=int, default=30)
-    parser.add_argument("--sentences_batch1", type=int, default=8, help="Sentences decoded one at a time.")
-    parser.add_argument("--batches_batch32", type=int, default=2, help="Batches of 32 sentences.")
+    parser.add_argument("--sentences_batch1", type=int, default=4, help="Sentences decoded one at a time.")
+    parser.add_argument("--batches_batch32", type=int, default=1, help="Batches of 32 sentences.")
     parser.add_argument("--exit_fraction", type=float, default=0.6)
     parser.add_argument("--out", default=None, help="Write the results as JSON here.")
     args = parser.parse_args(argv)
@@ -172,26 +170,30 @@ def main(argv=None):
             batches = [sources[i : i + 1] for i in range(args.sentences_batch1)]
         else:
             batches = [sources[i * 32 : (i + 1) * 32] for i in range(args.batches_batch32)]
-        full_seconds = None
-        for name, case_model, settings in cases:
-            decoder_seconds, generate_seconds, average_exit = run_case(
-                case_model, batches, beams, args.steps, settings, counter if case_model is model else None
-            )
-            if name == "full":
-                full_seconds = decoder_seconds
-            row = {
-                "batch": batch_size, "beams": beams, "strategy": name, "average_exit": round(average_exit, 2),
-                "decoder_seconds": round(decoder_seconds, 4), "generate_seconds": round(generate_seconds, 4),
-                "steps_per_second": round(len(batches) * args.steps / decoder_seconds, 1),
-            }
-            results.append(row)
-        for row in results:
-            if row["batch"] == batch_size and row["beams"] == beams:
-                row["decoder_ratio_vs_full"] = round(row["decoder_seconds"] / full_seconds, 3)
-        print(json.dumps([r for r in results if r["batch"] == batch_size and r["beams"] == beams]), flush=True)
-    header = "| batch | beam | strategy | AE | decoder s | × full depth | generate s |"
-    print(f"\n{args.dtype}, {args.threads} threads, {args.steps} steps per hypothesis, source length {args.source_length}")
-    print(header)
+        for name, case_model, settings in cases:  # warm-up
+            run_case(case_model, batches[:1], beams, 4, settings, None)
+        samples = {name: [] for name, _, _ in cases}
+        for _ in range(args.repeats):
+            for name, case_model, settings in cases:
+                samples[name].append(
+                    run_case(case_model, batches, beams, args.steps, settings, counter if case_model is model else None)
+                )
+        full_seconds = statistics.median(s[0] for s in samples["full"])
+        rows = []
+        for name, _, _ in cases:
+            decoder_seconds = statistics.median(s[0] for s in samples[name])
+            rows.append({
+                "batch": batch_size, "beams": beams, "strategy": name,
+                "average_exit": round(statistics.mean(s[2] for s in samples[name]), 2),
+                "decoder_seconds": round(decoder_seconds, 4),
+                "generate_seconds": round(statistics.median(s[1] for s in samples[name]), 4),
+                "decoder_ratio_vs_full": round(decoder_seconds / full_seconds, 3),
+            })
+        results.extend(rows)
+        print(json.dumps(rows), flush=True)
+    print(f"\n{args.dtype}, {args.threads} threads, {args.steps} steps per hypothesis, source length "
+          f"{args.source_length}, median of {args.repeats} interleaved repetitions")
+    print("| batch | beam | strategy | AE | decoder s | × full depth | generate s |")
     print("|---|---|---|---|---|---|---|")
     for row in results:
         print(f"| {row['batch']} | {row['beams']} | {row['strategy']} | {row['average_exit']:.2f} | "
