@@ -524,6 +524,30 @@ def test_tampered_training_arguments_are_not_unpickled(tmp_path, baseline_checkp
     assert "training_args.bin" in caplog.text
 
 
+def test_generation_overrides_parse_lists_and_json():
+    assert export_to_hub.parse_overrides("num_beams=4,exit_thresholds=[0.9,0.8],exit_strategy=confidence") == {
+        "num_beams": 4, "exit_thresholds": [0.9, 0.8], "exit_strategy": "confidence",
+    }
+    assert export_to_hub.parse_overrides('{"length_penalty": 1.2}') == {"length_penalty": 1.2}
+    with pytest.raises(ExportError, match="not key=value"):
+        export_to_hub.parse_overrides("num_beams")
+
+
+def test_generation_overrides_reach_generation_config(tmp_path, baseline_checkpoint):
+    argv = [str(baseline_checkpoint), str(tmp_path / "hub"), "--generation_overrides", "num_beams=4,max_new_tokens=7"]
+    assert export_to_hub.main(argv) == 0
+    generation = json.loads((tmp_path / "hub" / "generation_config.json").read_text())
+    assert (generation["num_beams"], generation["max_new_tokens"]) == (4, 7)
+
+
+def test_invalid_generation_overrides_fail_before_writing(tmp_path, baseline_checkpoint):
+    with pytest.raises(ExportError, match="invalid generation settings"):
+        export_checkpoint(
+            baseline_checkpoint, tmp_path / "hub", ExportOptions(generation_overrides={"max_new_tokens": -1})
+        )
+    assert not (tmp_path / "hub").exists()
+
+
 def test_missing_eval_results_can_be_allowed(tmp_path, baseline_checkpoint):
     from huggingface_hub import ModelCard
 

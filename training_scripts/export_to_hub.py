@@ -754,11 +754,29 @@ class ExportOptions:
 
 
 def parse_overrides(text: str | None) -> dict[str, Any]:
-    """``"num_beams=5,length_penalty=1.2,name=x"`` -> typed dict (JSON literals where they parse)."""
+    """``"num_beams=5,exit_thresholds=[0.9,0.8],name=x"`` (commas inside brackets belong to the value) or a JSON
+    object -> a typed dict (JSON literals where they parse, else strings)."""
     overrides: dict[str, Any] = {}
-    if not text:
+    if not text or not text.strip():
         return overrides
-    for item in text.split(","):
+    if text.lstrip().startswith("{"):
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ExportError(f"--generation_overrides is not a valid JSON object: {error}") from error
+        if not isinstance(parsed, dict):
+            raise ExportError("--generation_overrides must be key=value pairs or a JSON object")
+        return parsed
+    items, depth, current = [], 0, ""
+    for character in text:
+        depth += {"[": 1, "{": 1, "]": -1, "}": -1}.get(character, 0)
+        if character == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += character
+    items.append(current)
+    for item in items:
         if not item.strip():
             continue
         if "=" not in item:
@@ -859,16 +877,15 @@ def build_generation_config(model, eval_results: dict[str, Any] | None, override
             if eval_results.get("length_penalty") is not None:
                 updates["length_penalty"] = eval_results["length_penalty"]
     updates.update(overrides)
-    unused = generation_config.update(**updates)
-    if unused:
+    try:
+        unused = generation_config.update(**updates)
         # Keys GenerationConfig does not declare are kept as attributes (methods' own decoding options).
         for key, value in unused.items():
             setattr(generation_config, key, value)
-    # A standalone generation config: Transformers must not re-derive it from config.json at generate() time.
-    generation_config._from_model_config = False
-    try:
+        # A standalone generation config: Transformers must not re-derive it from config.json at generate() time.
+        generation_config._from_model_config = False
         generation_config.validate(strict=True)
-    except Exception as error:
+    except (ValueError, TypeError) as error:
         raise ExportError(f"invalid generation settings {updates}: {error}") from error
     return generation_config
 
