@@ -692,17 +692,20 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
         ref_positions = torch.arange(ref_width, device=device)
 
         for step in range(max_len + 1):
-            word_log_probs = self.word_logits(last).float().log_softmax(-1)
+            # Only the reference words' log-probs are needed: gather their logits, subtract the normaliser
+            # (cheaper than a full log_softmax over the vocabulary for batch x beam rows).
+            word_logits = self.word_logits(last).float()
+            normaliser = word_logits.logsumexp(-1)
             # Sentences whose words are all placed just now: add log p(<eod>) (Eq. 2) once.
             completing = lengths == step
             finished_scores = torch.where(
-                completing, scores + word_log_probs[:, config.eod_token_id], finished_scores
+                completing, scores + word_logits[:, config.eod_token_id] - normaliser, finished_scores
             )
             if step == max_len:
                 break
             active = lengths > step
             n = step + 2
-            candidate_word = word_log_probs.gather(1, targets)  # [rows, T]
+            candidate_word = word_logits.gather(1, targets) - normaliser[:, None]  # [rows, T]
             query = self.pointer_query(last[:, None, :], targets)  # [rows, T, d]
             slot = self.slot_log_probs(query, left_keys[:, :n], right_keys[:, :n])  # [rows, T, 2n]
             # Correct gap of word m: right of its nearest placed left neighbour / left of the nearest right one.
@@ -899,7 +902,9 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
             else:
                 words = scores.argmax(-1)
             words = words.masked_fill(finished, config.pad_token_id)
-            total_log_prob += torch.where(finished, 0.0, scores.log_softmax(-1).gather(1, words[:, None]).squeeze(1))
+            if with_trace:  # sequences_scores are only returned with the dict output
+                word_log_prob = scores.log_softmax(-1).gather(1, words[:, None]).squeeze(1)
+                total_log_prob += torch.where(finished, 0.0, word_log_prob)
             finished = finished | words.eq(config.eod_token_id)
             if bool(finished.all()):
                 break
@@ -909,7 +914,8 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
                 gap = torch.multinomial(gaps.exp().clamp(min=0), 1).squeeze(1)
             else:
                 gap = gaps.argmax(-1)
-            total_log_prob += torch.where(finished, 0.0, gaps.gather(1, gap[:, None]).squeeze(1))
+            if with_trace:
+                total_log_prob += torch.where(finished, 0.0, gaps.gather(1, gap[:, None]).squeeze(1))
             anchors = reading.gather(1, gap[:, None]).squeeze(1)
             sides = torch.full_like(anchors, RIGHT)
             tokens = torch.where(finished, config.pad_token_id, words)
