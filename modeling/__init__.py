@@ -43,6 +43,9 @@ _register(InDIGOConfig, InDIGOModel, InDIGOForConditionalGeneration)
 
 __all__ = [
     "BackboneComponents",
+    "DepthAdaptiveConfig",
+    "DepthAdaptiveForConditionalGeneration",
+    "DepthAdaptiveModel",
     "FlexformerConfig",
     "FlexformerForConditionalGeneration",
     "FlexformerModel",
