@@ -277,7 +277,8 @@ class StepKVCollector:
             past_keys, past_values = self.past(None)
             past_length = 0 if past_keys is None else past_keys.shape[2]
             shape = (self.batch_size, keys.shape[1], past_length + keys.shape[2], keys.shape[3])
-            full_keys, full_values = keys.new_zeros(shape), values.new_zeros(shape)
+            # every position gets written (the past here, the new ones by the row blocks: `flush` checks the count)
+            full_keys, full_values = keys.new_empty(shape), values.new_empty(shape)
             if past_length:
                 full_keys[:, :, :past_length] = past_keys
                 full_values[:, :, :past_length] = past_values
