@@ -136,6 +136,32 @@ def run_case(model, batches, beams: int, steps: int, settings: dict, counter: Ex
     return timer.seconds, generate_seconds, (counter.average_exit if counter is not None else 6.0)
 
 
+def count_forward_ops(model, source, beams: int, steps: int, settings: dict) -> float:
+    """Top-level ATen operator calls inside the model's forward per decoding step (load-independent: on a small
+    model at small batch, time is mostly per-operator overhead)."""
+    original = model.forward
+
+    def marked(*args, **kwargs):
+        with torch.profiler.record_function("depth_adaptive_forward"):
+            return original(*args, **kwargs)
+
+    model.forward = marked
+    try:
+        with torch.profiler.profile() as profile:
+            model.generate(source, attention_mask=source.ne(PAD).long(), num_beams=beams, max_new_tokens=steps,
+                           min_new_tokens=steps, early_stopping=False, do_sample=False, **settings)
+    finally:
+        del model.forward
+    count = 0
+    for event in profile.events():
+        if not event.name.startswith("aten::"):
+            continue
+        parent = event.cpu_parent
+        if parent is not None and parent.name == "depth_adaptive_forward":
+            count += 1
+    return count / steps
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -147,6 +173,8 @@ def main(argv=None):
     parser.add_argument("--batches_batch32", type=int, default=1, help="Batches of 32 sentences.")
     parser.add_argument("--exit_fraction", type=float, default=0.6)
     parser.add_argument("--out", default=None, help="Write the results as JSON here.")
+    parser.add_argument("--count_ops", action="store_true",
+                        help="Instead of timing, count the ATen operators per decoding step of each case.")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -165,6 +193,17 @@ def main(argv=None):
         ("confidence", model, {"exit_strategy": "confidence", "exit_thresholds": thresholds}),
     ]
     results = []
+    if args.count_ops:
+        print("| batch | beam | " + " | ".join(name for name, _, _ in cases) + " |")
+        print("|---|---|" + "---|" * len(cases))
+        for batch_size, beams in ((1, 1), (1, 5), (32, 1), (32, 5)):
+            counts = {name: count_forward_ops(m, sources[:batch_size], beams, args.steps, settings)
+                      for name, m, settings in cases}
+            results.append({"batch": batch_size, "beams": beams, "ops_per_step": counts})
+            print(f"| {batch_size} | {beams} | " + " | ".join(f"{c:.0f}" for c in counts.values()) + " |", flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
+        return results
     for batch_size, beams in ((1, 1), (1, 5), (32, 1), (32, 5)):
         if batch_size == 1:
             batches = [sources[i : i + 1] for i in range(args.sentences_batch1)]
