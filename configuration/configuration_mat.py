@@ -84,7 +84,7 @@ MAT_PRESETS: dict[str, tuple[str, dict]] = {
 def validate_rate(name: str, value) -> None:
     """A drop rate ρ must be a number in [0, 1): Eq. 5 divides by 1 - ρ."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) < 1.0:
-        raise ValueError(f"{name} must be a number in [0, 1) (Eq. 5 scales kept branches by 1/(1-rho)), got {value!r}")
+        raise ValueError(f"{name} must be a number in [0, 1) (kept branches/heads are scaled by 1/(1-rho), Eq. 5/9), got {value!r}")
 
 
 def validate_branch_count(name: str, value) -> None:
