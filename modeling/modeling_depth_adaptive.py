@@ -415,9 +415,8 @@ class ExitDecider:
         if block >= self.num_exits or self.strategy == "full":
             return None, None
         if self.strategy == "fixed":
-            if block != self.fixed_exit:
-                return None, None
-            return torch.ones(states.shape[:2], dtype=torch.bool, device=states.device), None
+            # True: every state still computing exits here (no mask to build)
+            return (True if block == self.fixed_exit else None), None
         if self.strategy == "confidence":
             # max_y p(y|h^n_t) > τ_n  ⟺  max logit − logsumexp > log τ_n
             logits = self.classify(block, states)
@@ -533,14 +532,10 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
             weight, bias = self._fused_key_value_weights()
             start, stop = first_layer * 2 * width, last_layer * 2 * width
             projected = torch.addmm(bias[start:stop], states.reshape(rows * length, -1), weight[:, start:stop])
-            result = []
-            for offset, layer in enumerate(layers):
-                chunk = projected[:, offset * 2 * width : (offset + 1) * 2 * width]
-                heads, head_dim = layer.self_attn.total_heads, layer.self_attn.head_dim
-                keys = chunk[:, :width].reshape(rows, length, heads, head_dim).transpose(1, 2)
-                values = chunk[:, width:].reshape(rows, length, heads, head_dim).transpose(1, 2)
-                result.append((keys, values))
-            return result
+            # [rows·q, L·2·D] → [L, 2, rows, heads, q, head_dim]: one view and one permute for every block
+            projected = projected.view(rows, length, len(layers), 2, attention.total_heads, attention.head_dim)
+            projected = projected.permute(2, 3, 0, 4, 1, 5)
+            return [tuple(per_layer.unbind(0)) for per_layer in projected.unbind(0)]
         result = []
         for layer in layers:
             inputs = layer.self_attn_layer_norm(states) if layer.normalize_before else states
@@ -591,6 +586,8 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
                 states.append(output)
             if done is not None and block < num_layers:
                 exit_mask, _ = decider.decide(block, output, None)
+                if exit_mask is True:
+                    exit_mask = torch.ones_like(done)
                 if exit_mask is not None:
                     newly = exit_mask & ~done
                     exits = exits.masked_fill(newly, block)
@@ -648,10 +645,19 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
             exit_mask, exit_logits = decider.decide(block, hidden_states, active_rows)
             if exit_mask is None:
                 continue
-            exit_mask = exit_mask[:, 0]
-            leaving = int(exit_mask.sum())
-            if leaving == 0:
-                continue
+            if exit_mask is True:
+                leaving = hidden_states.shape[0]
+            else:
+                exit_mask = exit_mask[:, 0]
+                leaving = int(exit_mask.sum())
+                if leaving == 0:
+                    continue
+            if leaving == batch:  # every row leaves at this block
+                exits.fill_(block)
+                finished.append((None, exit_logits if exit_logits is not None else classify(block, hidden_states)))
+                for offset, (keys, values) in enumerate(self.copied_key_values(idx + 1, hidden_states)):
+                    self_cache.update(keys, values, idx + 1 + offset)
+                return finished[0][1], exits
             rows_now = active_rows if active_rows is not None else torch.arange(batch, device=exits.device)
             if leaving == hidden_states.shape[0]:
                 leaving_rows, leaving_states, leaving_logits = rows_now, hidden_states, exit_logits
