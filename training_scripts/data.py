@@ -84,7 +84,13 @@ def _cached(name: str, params: dict, files: list[Path], build, cache_dir: str | 
     corpus = build()
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
-    corpus.save_to_disk(str(staging), num_shards={split: 1 for split in corpus})  # 1 shard: empty splits reload
+    was_disabled = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()  # "Saving the dataset" bars for a cache write are noise
+    try:
+        corpus.save_to_disk(str(staging), num_shards={split: 1 for split in corpus})  # 1 shard: empty splits reload
+    finally:
+        if not was_disabled:
+            datasets.enable_progress_bars()
     try:
         os.replace(staging, target)  # atomic: concurrent ranks either win or find the finished copy
     except OSError:

@@ -68,8 +68,8 @@ def run_from_argv(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.smoke:
-        args.max_steps = args.max_steps or 30
-        args.eval_samples = min(args.eval_samples, 8)
+        args.max_steps = args.max_steps or 20
+        args.eval_samples = min(args.eval_samples, 6)
         args.num_beams = min(args.num_beams, 2)
     recipe = dict(QUICKSTART_RECIPE)
     if args.smoke:
@@ -119,7 +119,7 @@ def run_from_argv(argv: list[str] | None = None) -> dict:
         "--split", "test",
         "--max_samples", str(args.eval_samples),
         "--num_beams", str(args.num_beams),
-        "--max_new_tokens", str(recipe["max_target_length"]),
+        "--max_new_tokens", str(32 if args.smoke else recipe["max_target_length"]),
         "--num_samples_to_print", "3",
         "--within_training_lengths", "true",
     ])
