@@ -11,7 +11,7 @@ they pick. Rows:
 - ``full``: the Depth-Adaptive model with every token exiting at block 6 (its early-exit loop, no exits);
 - ``fixed 2``: every token exits at block 2 (AE = 2);
 - ``geometric``: the geometric-like halting (Eq. 12–13) with biases set so that tokens exit at mixed blocks with
-  AE ≈ 1.7 (each block lets ~60 % of the states reaching it exit);
+  AE ≤ 2 (each block lets ~70 % of the states reaching it exit);
 - ``confidence``: confidence thresholding with thresholds set the same way (it pays a 10152-way classifier after
   every block it passes).
 
@@ -171,7 +171,7 @@ def main(argv=None):
     parser.add_argument("--source_length", type=int, default=30)
     parser.add_argument("--sentences_batch1", type=int, default=4, help="Sentences decoded one at a time.")
     parser.add_argument("--batches_batch32", type=int, default=1, help="Batches of 32 sentences.")
-    parser.add_argument("--exit_fraction", type=float, default=0.6)
+    parser.add_argument("--exit_fraction", type=float, default=0.7)
     parser.add_argument("--out", default=None, help="Write the results as JSON here.")
     parser.add_argument("--count_ops", action="store_true",
                         help="Instead of timing, count the ATen operators per decoding step of each case.")
