@@ -175,7 +175,7 @@ def test_a_few_steps_lower_the_loss_and_produce_a_loadable_model(tmp_path):
     lines = (out / "generations.validation.txt").read_text().splitlines()
     assert len(lines) == 4
 
-    quick = decode.run_from_argv(["--model_name_or_path", str(out), "--text", "Return the value.", "--text", "Wrap text.",
+    quick = decode.run_from_argv(["--model_name_or_path", str(out), "--text", "Return the value.", "Wrap text.",
                                   "--num_beams", "1", "--max_new_tokens", "5"])
     assert len(quick["hypotheses"]) == 2
 

@@ -47,7 +47,9 @@ class DecodeArguments:
     )
     batch_size: int = field(default=32, metadata={"help": "Sentences per generate() call."})
     max_samples: int | None = field(default=None, metadata={"help": "Decode only the first N examples of the split."})
-    text: list[str] | None = field(default=None, metadata={"help": "Translate these texts instead of a split."})
+    text: list[str] | None = field(
+        default=None, metadata={"help": "Translate these texts instead of a split: --text \"first\" \"second\" ..."}
+    )
     stdin: bool = field(default=False, metadata={"help": "Translate lines read from standard input (no metrics)."})
     output_file: str | None = field(
         default=None, metadata={"help": "Hypotheses file, one per line, newlines escaped as \\n (default: in the model dir)."}
