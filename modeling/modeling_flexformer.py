@@ -1312,6 +1312,13 @@ class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, GenerationMi
                 cache.self_attention_cache, cache.cross_attention_cache, group
             )
 
+    def _prepare_text_encoder_decoder_kwargs_for_generation(self, inputs_tensor, model_kwargs, *args, **kwargs):
+        """Transformers v5 builds no source mask for encoder-decoder models: infer it from the padding index, so a
+        padded batch's cross-attention ignores the padding at every decoding step (as fairseq does)."""
+        if model_kwargs.get("attention_mask") is None and inputs_tensor is not None and not inputs_tensor.is_floating_point():
+            model_kwargs["attention_mask"] = inputs_tensor.ne(self.config.pad_token_id).long()
+        return super()._prepare_text_encoder_decoder_kwargs_for_generation(inputs_tensor, model_kwargs, *args, **kwargs)
+
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 

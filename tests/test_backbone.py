@@ -582,3 +582,15 @@ def test_source_grouped_cache_equals_per_row_cross_attention(tmp_path):
     assert caches["grouped"].cross_attention_cache.layers[0].keys.shape[0] == source.shape[0] // group
     torch.testing.assert_close(outputs["grouped"][0], outputs["standard"][0], atol=1e-5, rtol=0)
     torch.testing.assert_close(outputs["grouped"][1], outputs["standard"][1], atol=1e-6, rtol=0)
+
+
+def test_generate_infers_the_source_padding_mask():
+    """Without an explicit attention_mask, a padded sentence generates exactly what it generates alone."""
+    model = tiny_model()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    source, _ = batch()
+    together = model.generate(source, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    length = int(source[-1].ne(PAD).sum())
+    alone = model.generate(source[-1:, :length], max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert torch.equal(together[-1:], alone)
