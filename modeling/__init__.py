@@ -22,36 +22,43 @@ def _register(config_class, base_model_class, seq2seq_class):
 
 _register(FlexformerConfig, FlexformerModel, FlexformerForConditionalGeneration)
 
-# Method registrations (one line each; keep this block sorted by method).
+# Method registrations, one per model type.
 from .modeling_depth_adaptive import (  # noqa: E402
-    DepthAdaptiveConfig,
     DepthAdaptiveForConditionalGeneration,
     DepthAdaptiveModel,
 )
+from .modeling_indigo import InDIGOForConditionalGeneration, InDIGOModel  # noqa: E402
+from .modeling_iot import IOTForConditionalGeneration, IOTModel  # noqa: E402
+from .modeling_mat import (  # noqa: E402
+    MATBertForSequenceClassification,
+    MATForConditionalGeneration,
+    MATModel,
+    MATRobertaForSequenceClassification,
+    register_mat_classifiers,
+)
+
+from configuration import DepthAdaptiveConfig, InDIGOConfig, IOTConfig, MATConfig  # noqa: E402
 
 _register(DepthAdaptiveConfig, DepthAdaptiveModel, DepthAdaptiveForConditionalGeneration)
-from .modeling_iot import IOTConfig, IOTForConditionalGeneration, IOTModel  # noqa: E402
-
+_register(InDIGOConfig, InDIGOModel, InDIGOForConditionalGeneration)
 _register(IOTConfig, IOTModel, IOTForConditionalGeneration)
-from .modeling_mat import MATConfig, MATForConditionalGeneration, MATModel, register_mat_classifiers  # noqa: E402
-
 _register(MATConfig, MATModel, MATForConditionalGeneration)
 register_mat_classifiers()  # MAT's encoder-only classifiers (mat_roberta, mat_bert): AutoModelForSequenceClassification
-from .modeling_indigo import InDIGOConfig, InDIGOForConditionalGeneration, InDIGOModel  # noqa: E402
-
-_register(InDIGOConfig, InDIGOModel, InDIGOForConditionalGeneration)
 
 __all__ = [
     "BackboneComponents",
-    "DepthAdaptiveConfig",
     "DepthAdaptiveForConditionalGeneration",
     "DepthAdaptiveModel",
-    "FlexformerConfig",
     "FlexformerForConditionalGeneration",
     "FlexformerModel",
     "FlexformerPreTrainedModel",
-    "MATConfig",
+    "InDIGOForConditionalGeneration",
+    "InDIGOModel",
+    "IOTForConditionalGeneration",
+    "IOTModel",
+    "MATBertForSequenceClassification",
     "MATForConditionalGeneration",
     "MATModel",
+    "MATRobertaForSequenceClassification",
     "PerRowSublayerOrder",
 ]
