@@ -841,37 +841,53 @@ def _layerdrop_skips(module: nn.Module, layerdrop: float) -> bool:
     return module.training and layerdrop > 0.0 and bool(torch.rand([]) < layerdrop)
 
 
-class FlexformerEncoder(nn.Module):
-    """fairseq's `TransformerEncoder`: scaled token embeddings + positions → dropout → blocks → (pre-norm) LayerNorm."""
+class _TransformerStack(nn.Module):
+    """What fairseq's encoder and decoder share: scaled token embeddings + positions (+ optional LayerNorm) →
+    dropout, a stack of blocks, and a final LayerNorm for pre-norm."""
+
+    side: str = ""
+    input_name: str = "input_ids"
 
     def __init__(self, config: FlexformerConfig, embed_tokens: nn.Embedding, components: "BackboneComponents"):
         super().__init__()
         self.config = config
-        dim = config.encoder_embed_dim
+        dim = getattr(config, f"{self.side}_embed_dim")
         self.padding_idx = config.pad_token_id
         self.dropout = config.dropout
-        self.layerdrop = config.encoder_layerdrop
+        self.layerdrop = getattr(config, f"{self.side}_layerdrop")
         self.embed_scale = 1.0 if config.no_scale_embedding else math.sqrt(dim)
         self.embed_tokens = embed_tokens
-        self.embed_positions = build_positional_embedding(config, "encoder", dim)
+        self.embed_positions = build_positional_embedding(config, self.side, dim)
         self.layernorm_embedding = nn.LayerNorm(dim) if config.layernorm_embedding else None
+        layer_class = getattr(components, f"{self.side}_layer")
         self.layers = nn.ModuleList(
-            [components.encoder_layer(config, i, components) for i in range(config.encoder_layers)]
+            [layer_class(config, i, components) for i in range(getattr(config, f"{self.side}_layers"))]
         )
-        self.layer_norm = nn.LayerNorm(dim) if config.encoder_normalize_before else None
+        self.layer_norm = nn.LayerNorm(dim) if getattr(config, f"{self.side}_normalize_before") else None
 
-    def embed(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def _embed(self, input_ids, inputs_embeds, past_length: int) -> torch.Tensor:
         if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds to the encoder")
+            raise ValueError(f"pass exactly one of {self.input_name} and inputs_embeds to the {self.side}")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids) * self.embed_scale
         hidden_states = inputs_embeds
         if self.embed_positions is not None:
-            ids = input_ids if input_ids is not None else inputs_embeds.new_ones(inputs_embeds.shape[:2]).long() * (self.padding_idx + 1)
-            hidden_states = hidden_states + self.embed_positions(ids, dtype=hidden_states.dtype)
+            ids = input_ids
+            if ids is None:  # embeddings given: every position is a real token
+                ids = inputs_embeds.new_full(inputs_embeds.shape[:2], self.padding_idx + 1, dtype=torch.long)
+            hidden_states = hidden_states + self.embed_positions(ids, past_length, dtype=hidden_states.dtype)
         if self.layernorm_embedding is not None:
             hidden_states = self.layernorm_embedding(hidden_states)
         return F.dropout(hidden_states, p=self.dropout, training=self.training)
+
+
+class FlexformerEncoder(_TransformerStack):
+    """fairseq's `TransformerEncoder`: scaled token embeddings + positions → dropout → blocks → (pre-norm) LayerNorm."""
+
+    side = "encoder"
+
+    def embed(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self._embed(input_ids, inputs_embeds, 0)
 
     def forward(
         self,
@@ -910,41 +926,18 @@ class FlexformerEncoder(nn.Module):
         return output if return_dict else output.to_tuple()
 
 
-class FlexformerDecoder(nn.Module):
+class FlexformerDecoder(_TransformerStack):
     """fairseq's `TransformerDecoder` without the output projection (the LM head lives in the top model).
 
     Its pieces — `embed`, `self_attention_mask`, `run_layer`, `finalize` — are public so a method can write its own
     layer loop (Depth-Adaptive early exit) without copying them.
     """
 
-    def __init__(self, config: FlexformerConfig, embed_tokens: nn.Embedding, components: "BackboneComponents"):
-        super().__init__()
-        self.config = config
-        dim = config.decoder_embed_dim
-        self.padding_idx = config.pad_token_id
-        self.dropout = config.dropout
-        self.layerdrop = config.decoder_layerdrop
-        self.embed_scale = 1.0 if config.no_scale_embedding else math.sqrt(dim)
-        self.embed_tokens = embed_tokens
-        self.embed_positions = build_positional_embedding(config, "decoder", dim)
-        self.layernorm_embedding = nn.LayerNorm(dim) if config.layernorm_embedding else None
-        self.layers = nn.ModuleList(
-            [components.decoder_layer(config, i, components) for i in range(config.decoder_layers)]
-        )
-        self.layer_norm = nn.LayerNorm(dim) if config.decoder_normalize_before else None
+    side = "decoder"
+    input_name = "decoder_input_ids"
 
     def embed(self, input_ids: torch.Tensor | None, past_length: int = 0, inputs_embeds=None) -> torch.Tensor:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of decoder_input_ids and decoder_inputs_embeds")
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids) * self.embed_scale
-        hidden_states = inputs_embeds
-        if self.embed_positions is not None:
-            ids = input_ids if input_ids is not None else inputs_embeds.new_ones(inputs_embeds.shape[:2]).long() * (self.padding_idx + 1)
-            hidden_states = hidden_states + self.embed_positions(ids, past_length, dtype=hidden_states.dtype)
-        if self.layernorm_embedding is not None:
-            hidden_states = self.layernorm_embedding(hidden_states)
-        return F.dropout(hidden_states, p=self.dropout, training=self.training)
+        return self._embed(input_ids, inputs_embeds, past_length)
 
     @staticmethod
     def self_attention_mask(
