@@ -1365,6 +1365,20 @@ class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, GenerationMi
             return_dict=True,
             **kwargs,
         )
+        output = self.language_model_output(outputs, labels, num_items_in_batch, logits_to_keep)
+        return output if return_dict else output.to_tuple()
+
+    def language_model_output(
+        self,
+        outputs: Seq2SeqModelOutput,
+        labels: torch.Tensor | None,
+        num_items_in_batch=None,
+        logits_to_keep: int = 0,
+        output_class: type = Seq2SeqLMOutput,
+        **extra_fields,
+    ) -> Seq2SeqLMOutput:
+        """The output projection, the loss when `labels` are given, and the output object (`output_class`, with any
+        method-specific `extra_fields`) from the backbone's outputs — shared by every method's `forward`."""
         hidden_states = outputs.last_hidden_state
         if logits_to_keep:
             hidden_states = hidden_states[:, -logits_to_keep:]
@@ -1372,7 +1386,7 @@ class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, GenerationMi
         loss = None
         if labels is not None:
             loss, _ = self.compute_loss(logits, labels, num_items_in_batch)
-        output = Seq2SeqLMOutput(
+        return output_class(
             loss=loss,
             logits=logits,
             past_key_values=outputs.past_key_values,
@@ -1382,8 +1396,8 @@ class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, GenerationMi
             encoder_last_hidden_state=outputs.encoder_last_hidden_state,
             encoder_hidden_states=outputs.encoder_hidden_states,
             encoder_attentions=outputs.encoder_attentions,
+            **extra_fields,
         )
-        return output if return_dict else output.to_tuple()
 
 
 __all__ = [

@@ -587,23 +587,12 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
             decoder_sublayer_order=sublayer_order,
             **kwargs,
         )
-        hidden_states = outputs.last_hidden_state
-        if logits_to_keep:
-            hidden_states = hidden_states[:, -logits_to_keep:]
-        logits = self.lm_head(hidden_states)
-        loss = None
-        if labels is not None:
-            loss, _ = self.compute_loss(logits, labels, num_items_in_batch)
-        output = IOTSeq2SeqLMOutput(
-            loss=loss,
-            logits=logits,
-            past_key_values=outputs.past_key_values,
-            decoder_hidden_states=outputs.decoder_hidden_states,
-            decoder_attentions=outputs.decoder_attentions,
-            cross_attentions=outputs.cross_attentions,
-            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
-            encoder_hidden_states=outputs.encoder_hidden_states,
-            encoder_attentions=outputs.encoder_attentions,
+        output = self.language_model_output(
+            outputs,
+            labels,
+            num_items_in_batch,
+            logits_to_keep,
+            output_class=IOTSeq2SeqLMOutput,
             encoder_order_probs=encoder_outputs.encoder_order_probs,
             decoder_order_probs=encoder_outputs.decoder_order_probs,
             encoder_order_index=encoder_outputs.encoder_order_index,
