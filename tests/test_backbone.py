@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, GenerationConfig
+from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 
 import flexformers  # noqa: F401  (registers the model types)
 from configuration import PRESETS, FlexformerConfig
@@ -13,7 +14,9 @@ from modeling.modeling_flexformer import (
     FlexformerForConditionalGeneration,
     FlexformerModel,
     PerRowSublayerOrder,
+    PreallocatedKVLayer,
     StepKVCollector,
+    VocabularyProjection,
     label_smoothed_nll_loss,
     make_positions,
     sinusoidal_table,
@@ -345,6 +348,68 @@ def test_batched_beam_search_equals_each_sentence_alone():
         length = int(source[row].ne(PAD).sum())
         alone = model.generate(source[row : row + 1, :length], max_new_tokens=6, num_beams=3, min_new_tokens=6)
         assert torch.equal(together[row, : alone.shape[1]], alone[0])
+
+
+def test_preallocated_layer_behaves_like_dynamic_layer():
+    """Growing past its capacity, beam reordering, cropping, batch selection and repetition all leave exactly what a
+    `DynamicLayer` holds after the same calls."""
+    torch.manual_seed(0)
+    preallocated, dynamic = PreallocatedKVLayer(), DynamicLayer()
+    PreallocatedKVLayer.min_capacity, saved = 4, PreallocatedKVLayer.min_capacity
+    try:
+        for step in range(11):  # 3 prefill positions, then one per step: grows 4 → 8 → 16
+            new = 3 if step == 0 else 1
+            keys, values = torch.randn(6, 2, new, 5), torch.randn(6, 2, new, 5)
+            got = preallocated.update(keys, values)
+            want = dynamic.update(keys, values)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            if step % 3 == 2:
+                order = torch.randint(0, 6, (6,))
+                preallocated.reorder_cache(order)
+                dynamic.reorder_cache(order)
+        assert preallocated.get_seq_length() == dynamic.get_seq_length() == 13
+        assert preallocated._key_buffer.shape[2] == 16  # doubled, not reallocated every step
+        for layer in (preallocated, dynamic):
+            layer.crop(-2)
+            layer.batch_select_indices(torch.tensor([0, 2, 5]))
+            layer.batch_repeat_interleave(2)
+        assert torch.equal(preallocated.keys, dynamic.keys) and torch.equal(preallocated.values, dynamic.values)
+        keys, values = torch.randn(6, 2, 1, 5), torch.randn(6, 2, 1, 5)
+        assert torch.equal(preallocated.update(keys, values)[1], dynamic.update(keys, values)[1])
+        preallocated.reset()
+        assert preallocated.get_seq_length() == 0 and not preallocated.is_initialized
+    finally:
+        PreallocatedKVLayer.min_capacity = saved
+
+
+@pytest.mark.parametrize("options", [dict(do_sample=False), dict(num_beams=4, num_return_sequences=2)])
+def test_generation_with_preallocated_cache_equals_dynamic_cache(options):
+    """`generate()` uses `PreallocatedKVLayer`s; a user-supplied plain `DynamicCache` gives the same tokens/scores."""
+    model = tiny_model()
+    source, _ = batch()
+    kwargs = dict(max_new_tokens=40, min_new_tokens=40, return_dict_in_generate=True, output_scores=True, **options)
+    ours = model.generate(source, **kwargs)
+    plain_cache = EncoderDecoderCache(DynamicCache(config=model.config), DynamicCache(config=model.config))
+    plain = model.generate(source, past_key_values=plain_cache, **kwargs)
+    assert torch.equal(ours.sequences, plain.sequences)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(ours.scores, plain.scores))
+    assert type(ours.past_key_values.self_attention_cache.layers[0]) is PreallocatedKVLayer
+    assert type(plain.past_key_values.self_attention_cache.layers[0]) is DynamicLayer
+
+
+def test_vocabulary_projection_equals_linear_with_and_without_gradients():
+    torch.manual_seed(0)
+    projection = VocabularyProjection(16, 50, bias=True)
+    for rows in (1, 7, 200):  # below and above the transposed-product threshold
+        hidden = torch.randn(rows, 1, 16)
+        reference = torch.nn.functional.linear(hidden, projection.weight, projection.bias)
+        with torch.no_grad():
+            fast = projection(hidden)
+        assert fast.shape == reference.shape and fast.is_contiguous()
+        assert torch.allclose(fast, reference, atol=1e-5)
+    hidden = torch.randn(4, 3, 16, requires_grad=True)
+    projection(hidden).sum().backward()
+    assert hidden.grad is not None and projection.weight.grad is not None
 
 
 # ---- seams -----------------------------------------------------------------------------------------------------------
