@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 from transformers.utils import ModelOutput
 
@@ -34,7 +33,9 @@ from .modeling_flexformer import (
     FlexformerForConditionalGeneration,
     FlexformerModel,
     StepKVCollector,
+    VocabularyProjection,
     label_smoothed_nll_loss,
+    new_decoder_cache,
     padding_mask,
 )
 
@@ -764,7 +765,10 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
         num_exits = config.decoder_layers
         if config.exit_classifiers == "independent":
             self.exit_classifiers = nn.ModuleList(
-                [nn.Linear(config.decoder_embed_dim, config.decoder_vocab_size, bias=False) for _ in range(num_exits - 1)]
+                [
+                    VocabularyProjection(config.decoder_embed_dim, config.decoder_vocab_size, bias=False)
+                    for _ in range(num_exits - 1)
+                ]
             )
         else:
             self.exit_classifiers = None
@@ -898,7 +902,7 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
                 decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
         use_cache = use_cache if use_cache is not None else config.use_cache
         if use_cache and past_key_values is None:
-            past_key_values = EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
+            past_key_values = new_decoder_cache(config)
         if not use_cache:
             past_key_values = None
         decoder = self.model.decoder

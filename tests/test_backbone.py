@@ -17,6 +17,7 @@ from modeling.modeling_flexformer import (
     PreallocatedKVLayer,
     StepKVCollector,
     VocabularyProjection,
+    dropout,
     label_smoothed_nll_loss,
     make_positions,
     sinusoidal_table,
@@ -175,6 +176,46 @@ def test_label_smoothed_loss_matches_fairseq_formula():
             expected_nll += token_nll
     assert loss.item() == pytest.approx(expected_loss.item() / count, rel=1e-5)
     assert nll.item() == pytest.approx(expected_nll.item() / count, rel=1e-5)
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 0.1])
+def test_fused_label_smoothed_loss_gradient_matches_autograd_of_the_formula(epsilon):
+    """The fused backward (`softmax − (1−ε−ε')·onehot − ε'`) equals autograd through fairseq's formula, padding
+    positions included (zero gradient); gradcheck in float64 as well."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, 13, requires_grad=True)
+    labels = torch.tensor([[1, 2, 3, -100], [4, 12, -100, -100]])
+    loss, _ = label_smoothed_nll_loss(logits, labels, epsilon)
+    (fused_grad,) = torch.autograd.grad(loss, logits)
+    log_probs = torch.log_softmax(logits, -1)
+    kept = labels.ne(-100)
+    token_nll = -log_probs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    spread = epsilon / 12
+    reference = (((1 - epsilon - spread) * token_nll - spread * log_probs.sum(-1)) * kept).sum() / kept.sum()
+    (reference_grad,) = torch.autograd.grad(reference, logits)
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
+    assert torch.allclose(fused_grad, reference_grad, atol=1e-7)
+    assert torch.all(fused_grad[0, 3] == 0) and torch.all(fused_grad[1, 2:] == 0)
+    double = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    double_labels = torch.tensor([0, 6, -100, 3, 2])
+    assert torch.autograd.gradcheck(
+        lambda z: label_smoothed_nll_loss(z, double_labels, epsilon)[0], (double,), eps=1e-6, atol=1e-6
+    )
+
+
+def test_dropout_keeps_fairseq_semantics():
+    """CPU dropout drawn from `torch.rand`: drops with probability p, scales kept values by 1/(1−p), identity in eval
+    or at p = 0, all zeros at p = 1, and the backward uses the same mask."""
+    torch.manual_seed(0)
+    hidden = torch.ones(400, 500, requires_grad=True)
+    out = dropout(hidden, 0.3, training=True)
+    kept = out != 0
+    assert abs(kept.float().mean().item() - 0.7) < 0.005
+    assert torch.allclose(out[kept], torch.full_like(out[kept], 1 / 0.7))
+    out.sum().backward()
+    assert torch.equal(hidden.grad != 0, kept)
+    assert dropout(hidden, 0.3, training=False) is hidden and dropout(hidden, 0.0, training=True) is hidden
+    assert torch.all(dropout(hidden, 1.0, training=True) == 0)
 
 
 def test_loss_normalised_by_num_items_keeps_gradient_accumulation_exact():
