@@ -555,6 +555,37 @@ def test_sublayer_order_is_data_and_changes_the_function():
         model(input_ids=source, decoder_input_ids=target, decoder_sublayer_order=("ffn", "ffn", "self_attn"))
 
 
+def test_per_row_plan_is_a_shortest_common_supersequence_of_the_orders():
+    """Each row runs its sub-layers in its own order, each once; the steps are a shortest common supersequence
+    (IOT's default 4 decoder orders: 5 calls per block instead of 8 stage by stage; all 6 orders: 7)."""
+    import itertools
+
+    from configuration.configuration_iot import DECODER_ORDER_CODES
+    from modeling.modeling_flexformer import shortest_common_schedule
+
+    def contains(schedule, order):
+        remaining = iter(schedule)
+        return all(name in remaining for name in order)
+
+    default = [DECODER_ORDER_CODES[code] for code in (1, 2, 4, 6)]
+    every = list(DECODER_ORDER_CODES.values())
+    for orders, length in ((default, 5), (every, 7), (default[:1], 3), (default[:2], 4)):
+        schedule = shortest_common_schedule(orders)
+        assert len(schedule) == length and all(contains(schedule, order) for order in orders)
+        names = sorted(set(orders[0]))
+        shorter = itertools.product(names, repeat=length - 1)
+        assert not any(all(contains(candidate, order) for order in orders) for candidate in shorter)
+    per_row = PerRowSublayerOrder(torch.tensor([0, 0, 1, 2, 3, 3, 1]), default)
+    applied = {row: [] for row in range(7)}
+    for step in per_row.stage_plan:
+        for name, rows in step:
+            chosen = range(7) if rows is None else (range(7)[rows] if isinstance(rows, slice) else rows.tolist())
+            for row in chosen:
+                applied[row].append(name)
+    assert len(per_row.stage_plan) == 5
+    assert all(tuple(applied[row]) == default[int(per_row.order_index[row])] for row in range(7))
+
+
 def test_per_row_orders_equal_each_row_alone_full_and_incremental():
     model = tiny_model()
     source, target = batch()
