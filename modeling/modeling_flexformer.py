@@ -1289,37 +1289,45 @@ class BackboneComponents:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-class _LabelSmoothedCrossEntropy(torch.autograd.Function):
-    """Summed label-smoothed cross-entropy and NLL of `[N, V]` float logits in one pass over the logits, with the
-    gradient written in one buffer (`softmax − (1−ε−ε')·onehot − ε'`, see `label_smoothed_nll_loss`)."""
+class _TokenLossTerms(torch.autograd.Function):
+    """Per-token NLL `logsumexp(z) − z_y` and smoothing term `Σ_v −log p_v = V·logsumexp(z) − Σ_v z_v` of `[N, V]`
+    float logits (zero at ignored tokens), from one logsumexp per row; the backward writes
+    `(g_nll + V·g_smooth)·softmax − g_nll·onehot − g_smooth` into a single `[N, V]` buffer."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, epsilon: float, ignore_index: int):
-        vocab_size = logits.shape[-1]
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int):
         kept = labels.ne(ignore_index)
         safe_labels = labels.masked_fill(~kept, 0)
         log_normalizer = torch.logsumexp(logits, dim=-1)
         nll = (log_normalizer - logits.gather(1, safe_labels.unsqueeze(1)).squeeze(1)) * kept
-        spread = epsilon / (vocab_size - 1)
-        loss = (1.0 - epsilon - spread) * nll.sum()
-        if spread:  # Σ_v −log p_v = V·logsumexp(z) − Σ_v z_v
-            loss = loss + spread * ((vocab_size * log_normalizer - logits.sum(-1)) * kept).sum()
+        smooth = (logits.shape[-1] * log_normalizer - logits.sum(-1)) * kept
         ctx.save_for_backward(logits, log_normalizer, safe_labels, kept)
-        ctx.epsilon = epsilon
-        nll_sum = nll.sum()
-        ctx.mark_non_differentiable(nll_sum)
-        return loss, nll_sum
+        return nll, smooth
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor, _grad_nll: torch.Tensor):
+    def backward(ctx, grad_nll: torch.Tensor, grad_smooth: torch.Tensor):
         logits, log_normalizer, safe_labels, kept = ctx.saved_tensors
-        spread = ctx.epsilon / (logits.shape[-1] - 1)
-        scale = (grad_loss * kept.to(logits.dtype)).unsqueeze(1)
+        kept = kept.to(logits.dtype)
+        grad_nll = grad_nll * kept
+        grad_smooth = grad_smooth * kept
         grad = torch.sub(logits, log_normalizer.unsqueeze(1)).exp_()
-        if spread:
-            grad.sub_(spread)
-        grad.mul_(scale).scatter_add_(1, safe_labels.unsqueeze(1), -(1.0 - ctx.epsilon - spread) * scale)
-        return grad, None, None, None
+        grad.mul_((grad_nll + logits.shape[-1] * grad_smooth).unsqueeze(1)).sub_(grad_smooth.unsqueeze(1))
+        grad.scatter_add_(1, safe_labels.unsqueeze(1), -grad_nll.unsqueeze(1))
+        return grad, None, None
+
+
+def token_loss_terms(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token `(nll, smooth)` of fairseq's label-smoothed loss, shaped like `labels`, zero at `ignore_index`:
+    nll = −log p_y and smooth = Σ_v −log p_v, computed in float32 (float64 stays float64) by one fused autograd
+    function — no `[N, V]` log-probabilities are materialised (`_TokenLossTerms`)."""
+    vocab_size = logits.shape[-1]
+    flat_logits = logits.reshape(-1, vocab_size)
+    if flat_logits.dtype not in (torch.float32, torch.float64):
+        flat_logits = flat_logits.float()
+    nll, smooth = _TokenLossTerms.apply(flat_logits, labels.reshape(-1), ignore_index)
+    return nll.view(labels.shape), smooth.view(labels.shape)
 
 
 def label_smoothed_nll_loss(
@@ -1332,20 +1340,22 @@ def label_smoothed_nll_loss(
     """fairseq 0.12's label-smoothed cross-entropy (`label_smoothed_cross_entropy`): with ε' = ε / (V - 1),
     loss = (1 - ε - ε') · NLL + ε' · Σ_v −log p_v, summed over non-ignored tokens.
 
-    Computed by a fused autograd function (one logsumexp per row gives both terms and the logging NLL; the
-    backward writes `softmax − (1−ε−ε')·onehot − ε'` into one buffer), which takes half the time of
-    `F.cross_entropy(label_smoothing=…)` plus a separate NLL pass on a `[960, 10152]` batch.
+    Both terms come from `token_loss_terms` (one logsumexp per row; the backward writes
+    `softmax − (1−ε−ε')·onehot − ε'` into one buffer), which takes half the time of
+    `F.cross_entropy(label_smoothing=…)` plus a separate NLL pass for logging on a `[960, 10152]` batch.
 
     Returns (loss, nll_loss), each divided by `num_items_in_batch` when given (Trainer's token count for the whole
     accumulated batch, which keeps gradient accumulation exact) and by the number of target tokens otherwise; the
     NLL carries no gradient (it is for logging). Computed in float32 so bf16 training keeps an accurate loss.
     """
     vocab_size = logits.shape[-1]
-    flat_logits = logits.reshape(-1, vocab_size)
-    if flat_logits.dtype not in (torch.float32, torch.float64):
-        flat_logits = flat_logits.float()
     flat_labels = labels.reshape(-1)
-    loss, nll = _LabelSmoothedCrossEntropy.apply(flat_logits, flat_labels, float(epsilon), ignore_index)
+    token_nll, token_smooth = token_loss_terms(logits, flat_labels, ignore_index)
+    spread = epsilon / (vocab_size - 1)
+    loss = (1.0 - epsilon - spread) * token_nll.sum()
+    if spread:
+        loss = loss + spread * token_smooth.sum()
+    nll = token_nll.detach().sum()
     denominator = num_items_in_batch if num_items_in_batch is not None else flat_labels.ne(ignore_index).sum().clamp(min=1)
     if isinstance(denominator, torch.Tensor):
         denominator = denominator.to(loss.device)

@@ -29,6 +29,7 @@ from .modeling_flexformer import (
     FlexformerModel,
     FlexformerPreTrainedModel,
     PerRowSublayerOrder,
+    token_loss_terms,
 )
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -174,15 +175,9 @@ def sentence_label_smoothed_losses(
     ``(1 − ε − ε_i)·nll + ε_i·smooth`` with ``ε_i = ε / (V − 1)``; IOT needs it per sentence so the confidences
     can weight each sentence's loss on each order path. Returns ``(nll, smooth)``, each ``[rows]``.
     """
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    valid = labels.ne(ignore_index)
-    safe_labels = labels.masked_fill(~valid, 0).unsqueeze(-1)
-    nll = -log_probs.gather(dim=-1, index=safe_labels).squeeze(-1)
-    nll = nll.masked_fill(~valid, 0.0).sum(dim=-1)
-    if epsilon > 0:
-        smooth = -log_probs.sum(dim=-1).masked_fill(~valid, 0.0).sum(dim=-1)
-    else:
-        smooth = torch.zeros_like(nll)
+    nll, smooth = token_loss_terms(logits, labels, ignore_index)
+    nll = nll.sum(dim=-1)
+    smooth = smooth.sum(dim=-1) if epsilon > 0 else torch.zeros_like(nll)
     return nll, smooth
 
 

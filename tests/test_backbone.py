@@ -20,6 +20,7 @@ from modeling.modeling_flexformer import (
     dropout,
     label_smoothed_nll_loss,
     make_positions,
+    token_loss_terms,
     sinusoidal_table,
 )
 from tests.conftest import tiny_config_kwargs
@@ -201,6 +202,26 @@ def test_fused_label_smoothed_loss_gradient_matches_autograd_of_the_formula(epsi
     assert torch.autograd.gradcheck(
         lambda z: label_smoothed_nll_loss(z, double_labels, epsilon)[0], (double,), eps=1e-6, atol=1e-6
     )
+
+
+def test_token_loss_terms_match_log_softmax_values_and_gradients():
+    """Per-token (nll, smooth) and their fused backward under arbitrary upstream gradients equal autograd through
+    log_softmax (IOT weights each sentence's terms separately, so both outputs carry gradients)."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 17, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 17, (3, 5))
+    labels[2, 3:] = -100
+    nll, smooth = token_loss_terms(logits, labels)
+    log_probs = torch.log_softmax(logits, -1)
+    kept = labels.ne(-100)
+    want_nll = -log_probs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * kept
+    want_smooth = -log_probs.sum(-1) * kept
+    assert torch.allclose(nll, want_nll) and torch.allclose(smooth, want_smooth)
+    upstream = torch.randn(2, 3, 5, dtype=torch.float64)
+    got = torch.autograd.grad((nll * upstream[0] + smooth * upstream[1]).sum(), logits)[0]
+    want = torch.autograd.grad((want_nll * upstream[0] + want_smooth * upstream[1]).sum(), logits)[0]
+    assert torch.allclose(got, want)
+    assert torch.autograd.gradcheck(lambda z: token_loss_terms(z, labels), (logits,))
 
 
 def test_dropout_keeps_fairseq_semantics():
