@@ -357,12 +357,6 @@ def use_preallocated_layers(cache: DynamicCache) -> DynamicCache:
     return cache
 
 
-def new_decoder_cache(config) -> EncoderDecoderCache:
-    """The cache a decoder starts incremental decoding with: preallocated self-attention layers
-    (`PreallocatedKVLayer`), a plain `DynamicCache` for the cross-attention keys/values (written once)."""
-    return EncoderDecoderCache(use_preallocated_layers(DynamicCache(config=config)), DynamicCache(config=config))
-
-
 class VocabularyProjection(nn.Linear):
     """The output layer d → V (`lm_head`, and Depth-Adaptive's exit classifiers).
 
@@ -576,6 +570,19 @@ class SourceGroupedCache(EncoderDecoderCache):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._ungroup()
         super().batch_select_indices(indices)
+
+
+def new_decoder_cache(config, group_size: int = 1) -> EncoderDecoderCache:
+    """The cache a decoder starts incremental decoding with: preallocated self-attention layers
+    (`PreallocatedKVLayer`), a plain `DynamicCache` for the cross-attention keys/values (written once).
+
+    `group_size > 1`: the rows are `group_size` consecutive copies of each source sentence (beams) that are only
+    ever reordered within their sentence — a `SourceGroupedCache` then keeps one cross-attention copy per sentence.
+    """
+    self_attention = use_preallocated_layers(DynamicCache(config=config))
+    if group_size > 1:
+        return SourceGroupedCache(self_attention, DynamicCache(config=config), group_size)
+    return EncoderDecoderCache(self_attention, DynamicCache(config=config))
 
 
 def _fold_groups(tensor: torch.Tensor, group: int) -> torch.Tensor:

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.generation import GenerationConfig, LogitsProcessorList
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.utils import ModelOutput
@@ -39,6 +38,7 @@ from .modeling_flexformer import (
     FlexformerAttention,
     FlexformerForConditionalGeneration,
     FlexformerModel,
+    new_decoder_cache,
 )
 
 LEFT = -1
@@ -680,13 +680,14 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
         finished_scores = torch.zeros(rows, device=device)
         valid_beam = torch.ones(rows, dtype=torch.bool, device=device)
 
-        cache = EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
+        cache = new_decoder_cache(config, group_size=beams)  # beams move within their sentence only
         start = torch.tensor([config.bos_token_id, config.eos_token_id], device=device).expand(rows, 2)
         start_relations = relative_positions_from_absolute(ref_of_insertion[:, :2])
         hidden, cache = self._decoder_states(start, start_relations, encoder_states, encoder_mask, cache, True)
         left_keys = torch.zeros(rows, max_len + 2, hidden.shape[-1], device=device, dtype=hidden.dtype)
         right_keys = torch.zeros_like(left_keys)
         left_keys[:, :2], right_keys[:, :2] = self.pointer_keys(hidden)
+        spare_left, spare_right = torch.empty_like(left_keys), torch.empty_like(right_keys)
         last = hidden[:, -1]
         batch_offsets = torch.arange(batch, device=device).repeat_interleave(beams) * beams
         ref_positions = torch.arange(ref_width, device=device)
@@ -736,7 +737,10 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
             placed, ref_index, ref_of_insertion, orders = (
                 placed[origin], ref_index[origin], ref_of_insertion[origin], orders[origin]
             )
-            left_keys, right_keys = left_keys[origin], right_keys[origin]
+            # reorder into the spare buffers (no fresh [rows, T, d] tensors every step), then swap
+            torch.index_select(left_keys, 0, origin, out=spare_left)
+            torch.index_select(right_keys, 0, origin, out=spare_right)
+            left_keys, spare_left, right_keys, spare_right = spare_left, left_keys, spare_right, right_keys
             finished_scores = finished_scores[origin]
             valid_beam = valid_beam[origin] & torch.where(active, ~invalid.reshape(-1), True)
             scores = new_scores
@@ -876,7 +880,7 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
         )
 
     def _start(self, state, encoder_states, encoder_mask):
-        cache = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
+        cache = new_decoder_cache(self.config)
         last, cache = self._decode_step(
             state.tokens[:, :2], state.current_relations(), encoder_states, encoder_mask, cache, state
         )
