@@ -7,9 +7,10 @@ embeddings, batch 32 × 30 source and target tokens:
   fused AdamW that Seq2SeqTrainer uses by default; fairseq its usual per-parameter Adam update);
 - greedy / beam-5: `generate()` forced to exactly 30 new tokens → sentences/s.
 
-Measurements are interleaved (ours, FSMT, ours, FSMT, …) and the median is reported, so both see the same
-machine state. fairseq runs in its own virtual environment (`--fairseq-python`, see NOTES.md) through
-`benchmarks/fairseq_peer.py`, in the same run, with the same shapes and thread count.
+Measurements are interleaved (ours, FSMT, fairseq, ours, FSMT, fairseq, …) and the median is reported, so all
+see the same machine state. fairseq runs in its own virtual environment (`--fairseq-python`, see NOTES.md) as a
+server process (`benchmarks/fairseq_peer.py --serve`) that runs one repetition per request, with the same shapes
+and thread count (bf16: one separate fairseq run after ours and FSMT's).
 
     python benchmarks/bench_backbone.py [--repeats 5] [--precision fp32 bf16] [--fairseq-python /path/python]
 """
@@ -107,9 +108,40 @@ def generate_fn(model, num_beams):
 
 
 def timed(fn):
+    """Seconds of one call; a function that measures itself (the fairseq server) returns its own seconds."""
     start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    reported = fn()
+    return reported if isinstance(reported, float) else time.perf_counter() - start
+
+
+class FairseqServer:
+    """fairseq in its own venv (`fairseq_peer.py --serve`), driven one repetition at a time so its repetitions
+    interleave with ours and FSMT's; each task returns the seconds fairseq measured for it."""
+
+    def __init__(self, python: str, threads: int):
+        peer = Path(__file__).with_name("fairseq_peer.py")
+        env = dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1", OMP_NUM_THREADS=str(threads))
+        self.process = subprocess.Popen(
+            [python, str(peer), "--serve", "--threads", str(threads)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        )
+        for line in self.process.stdout:
+            if line.strip() == "ready":
+                return
+        raise RuntimeError(f"the fairseq peer exited before it was ready (exit code {self.process.wait()})")
+
+    def task(self, name: str):
+        def run() -> float:
+            self.process.stdin.write(name + "\n")
+            self.process.stdin.flush()
+            return float(self.process.stdout.readline())
+
+        return run
+
+    def close(self):
+        self.process.stdin.write("quit\n")
+        self.process.stdin.close()
+        self.process.wait()
 
 
 def interleaved(functions: dict, repeats: int, warmup: int = 1) -> dict[str, float]:
@@ -153,22 +185,37 @@ def main():
         # every decoding step).
         ours, fsmt = build_ours(torch.float32), build_fsmt(torch.float32)
         print(f"parameters: ours {count_trainable(ours):,}  FSMT {count_trainable(fsmt):,}", flush=True)
+        # fp32: fairseq's repetitions interleave with ours and FSMT's (a server process); bf16: one separate run.
+        server = FairseqServer(args.fairseq_python, args.threads) if args.fairseq_python and precision == "fp32" else None
+        peers = {"fairseq": server} if server is not None else {}
         train = interleaved(
-            {"ours": TrainStep(ours, "ours", precision), "fsmt": TrainStep(fsmt, "fsmt", precision)}, args.repeats
+            {"ours": TrainStep(ours, "ours", precision), "fsmt": TrainStep(fsmt, "fsmt", precision)}
+            | {name: peer.task("train") for name, peer in peers.items()},
+            args.repeats,
         )
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         ours, fsmt = ours.to(dtype), fsmt.to(dtype)
-        greedy = interleaved({"ours": generate_fn(ours, 1), "fsmt": generate_fn(fsmt, 1)}, args.repeats)
-        beam = interleaved({"ours": generate_fn(ours, 5), "fsmt": generate_fn(fsmt, 5)}, max(2, args.repeats // 2))
+        greedy = interleaved(
+            {"ours": generate_fn(ours, 1), "fsmt": generate_fn(fsmt, 1)}
+            | {name: peer.task("greedy") for name, peer in peers.items()},
+            args.repeats,
+        )
+        beam = interleaved(
+            {"ours": generate_fn(ours, 5), "fsmt": generate_fn(fsmt, 5)}
+            | {name: peer.task("beam5") for name, peer in peers.items()},
+            args.repeats,
+        )
+        if server is not None:
+            server.close()
         rows = {
             system: {
                 "train_tok_s": BATCH * LENGTH / train[system],
                 "greedy_sent_s": BATCH / greedy[system],
                 "beam5_sent_s": BATCH / beam[system],
             }
-            for system in ("ours", "fsmt")
+            for system in train
         }
-        if args.fairseq_python:
+        if args.fairseq_python and server is None:
             peer = run_fairseq(args.fairseq_python, precision, args.repeats, args.threads)
             if peer is not None:
                 rows["fairseq"] = peer

@@ -4,6 +4,10 @@ Same shapes as the flexformers side: transformer_iwslt_de_en, shared embeddings,
 batch 32 × 30; training = forward + fairseq's label-smoothed loss (ε=0.1) + backward + AdamW step; generation =
 fairseq's SequenceGenerator with 30 decoder steps (29 forced tokens + forced </s>, the same number of decoder
 forwards as `generate(max_new_tokens=30)`). Prints one JSON line.
+
+With `--serve` (fp32) it builds everything once, prints `ready`, then runs one repetition per command read from
+stdin (`train`, `greedy`, `beam5`) and prints its seconds — so `bench_backbone.py` can interleave fairseq's
+repetitions with the other systems' in one run, as it does for flexformers and FSMT.
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ def main():
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--serve", action="store_true", help="one repetition per stdin command (fp32)")
     cli = parser.parse_args()
+    if cli.serve and cli.precision != "fp32":
+        parser.error("--serve runs fp32 only")
     torch.set_num_threads(cli.threads)
     torch.manual_seed(0)
 
@@ -77,24 +84,13 @@ def main():
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
+    if cli.serve:
+        serve(train_step, generate_runner(model, dictionary, source, lengths))
+        return
     train_time = timed(train_step, cli.repeats)
     if cli.precision == "bf16":
         model = model.to(torch.bfloat16)
-    model.eval()
-    sample = {"net_input": {"src_tokens": source, "src_lengths": lengths}}
-
-    def generate(beam):
-        sequence_generator = SequenceGenerator(
-            [model], dictionary, beam_size=beam, max_len_a=0, max_len_b=LENGTH - 1, min_len=LENGTH - 1
-        )
-
-        def run():
-            with torch.inference_mode():
-                hypotheses = sequence_generator.generate([model], sample)
-            assert len(hypotheses[0][0]["tokens"]) == LENGTH
-
-        return run
-
+    generate = generate_runner(model, dictionary, source, lengths)
     greedy_time = timed(generate(1), cli.repeats)
     beam_time = timed(generate(5), max(2, cli.repeats // 2))
     print(json.dumps({
@@ -103,6 +99,47 @@ def main():
         "beam5_sent_s": BATCH / beam_time,
         "parameters": parameters,
     }))
+
+
+def generate_runner(model, dictionary, source, lengths):
+    """`generate(beam)` → a function decoding the batch once with fairseq's SequenceGenerator (eval mode)."""
+    sample = {"net_input": {"src_tokens": source, "src_lengths": lengths}}
+
+    def generate(beam):
+        sequence_generator = SequenceGenerator(
+            [model], dictionary, beam_size=beam, max_len_a=0, max_len_b=LENGTH - 1, min_len=LENGTH - 1
+        )
+
+        def run():
+            model.eval()
+            with torch.inference_mode():
+                hypotheses = sequence_generator.generate([model], sample)
+            assert len(hypotheses[0][0]["tokens"]) == LENGTH
+
+        return run
+
+    return generate
+
+
+def serve(train_step, generate):
+    tasks = {"train": train_step, "greedy": generate(1), "beam5": generate(5)}
+    for task in tasks.values():  # warm-up
+        task()
+    print("ready", flush=True)
+    for line in iter(input_line, None):
+        command = line.strip()
+        if command == "quit":
+            return
+        start = time.perf_counter()
+        tasks[command]()
+        print(f"{time.perf_counter() - start:.6f}", flush=True)
+
+
+def input_line():
+    try:
+        return input()
+    except EOFError:
+        return None
 
 
 if __name__ == "__main__":
