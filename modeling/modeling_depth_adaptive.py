@@ -1063,7 +1063,8 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
         """``GenerationMixin.generate`` (every ``GenerationConfig`` option) with early exits.
 
         ``exit_strategy`` / ``fixed_exit`` / ``exit_thresholds`` choose the exits for this call (also read from
-        attributes of the same names on ``generation_config``; default: the model config). With
+        attributes of the same names on ``generation_config``, or on the model's own ``generation_config`` when none
+        is passed; default: the model config). With
         ``return_exits=True`` the per-token exits come back as ``exits`` ``[rows, len − 1]`` (exit of
         ``sequences[:, 1:]``, 0 after the hypothesis ended): added to the ``GenerateOutput`` with
         ``return_dict_in_generate=True``, else a :class:`DepthAdaptiveGenerateOutput`. They are recomputed with
@@ -1075,11 +1076,14 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
             # Transformers v5 infers no attention mask for encoder-decoder models: without it the cross-attention
             # would attend to the source padding of a batch (fairseq masks it).
             kwargs["attention_mask"] = input_ids.ne(self.config.pad_token_id).long()
-        if generation_config is not None:
-            exit_strategy = exit_strategy or getattr(generation_config, "exit_strategy", None)
-            fixed_exit = fixed_exit if fixed_exit is not None else getattr(generation_config, "fixed_exit", None)
+        # Exit settings: this call's arguments, else the passed generation config, else the model's own
+        # `generation_config` (e.g. saved in generation_config.json), else the model config.
+        source = generation_config if generation_config is not None else getattr(self, "generation_config", None)
+        if source is not None:
+            exit_strategy = exit_strategy or getattr(source, "exit_strategy", None)
+            fixed_exit = fixed_exit if fixed_exit is not None else getattr(source, "fixed_exit", None)
             if exit_thresholds is None:
-                exit_thresholds = getattr(generation_config, "exit_thresholds", None)
+                exit_thresholds = getattr(source, "exit_thresholds", None)
         settings = self.resolve_exit_settings(exit_strategy, fixed_exit, exit_thresholds)
         previous = self._generation_exit_settings
         self._generation_exit_settings = settings

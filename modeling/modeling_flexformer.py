@@ -370,8 +370,10 @@ class VocabularyProjection(nn.Linear):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         rows = hidden_states.numel() // self.in_features
-        if rows > self.transposed_product_max_rows or (
-            torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad)
+        if (
+            rows > self.transposed_product_max_rows
+            or hidden_states.device.type != "cpu"
+            or (torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad))
         ):
             return super().forward(hidden_states)
         logits = (self.weight @ hidden_states.reshape(rows, self.in_features).t()).t().contiguous()

@@ -246,6 +246,20 @@ def test_generate_honours_generation_config_and_returns_exits_with_dict_outputs(
     assert bool((output.exits[valid] == 2).all())
 
 
+def test_generate_reads_exit_settings_from_the_models_own_generation_config():
+    """Without a passed generation config, exit settings on `model.generation_config` apply; an explicit argument
+    still wins."""
+    model = make_model(seed=3, halting_mechanism="token_geometric")
+    source, _ = make_batch()
+    model.generation_config.exit_strategy = "fixed"
+    model.generation_config.fixed_exit = 2
+    with torch.no_grad():
+        output = model.generate(source, max_new_tokens=4, return_exits=True)
+        overridden = model.generate(source, max_new_tokens=4, return_exits=True, fixed_exit=1)
+    assert bool((output.exits[output.sequences[:, 1:].ne(PAD)] == 2).all())
+    assert bool((overridden.exits[overridden.sequences[:, 1:].ne(PAD)] == 1).all())
+
+
 # --------------------------------------------------------------------------------------------- training
 
 
