@@ -190,6 +190,18 @@ class StopAt(TrainerCallback):
         return control
 
 
+def test_do_eval_keeps_the_decode_report(tmp_path):
+    """Trainer's --do_eval metrics go to validation_results.json, so they never overwrite the eval_results.json that
+    flexformers-decode wrote into the same directory (the file the Hub export reads)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    report = {"task": "codegen", "dataset": "x", "split": "test", "metrics": {"bleu": 1.0}}
+    (out / "eval_results.json").write_text(json.dumps(report))
+    train.run_from_argv(tiny_argv(out, "--max_steps", "2", "--do_eval", "--max_eval_samples", "4"))
+    assert json.loads((out / "eval_results.json").read_text()) == report
+    assert "eval_loss" in json.loads((out / "validation_results.json").read_text())
+
+
 def test_resume_continues_exactly(tmp_path):
     common = ("--max_steps", "9", "--save_strategy", "steps", "--save_steps", "4", "--logging_steps", "1")
     train.run_from_argv(tiny_argv(tmp_path / "straight", *common))

@@ -390,7 +390,9 @@ def run(spec, model_args, data_args, training_args, method_args, extra_callbacks
         metrics = trainer.evaluate(metric_key_prefix="eval")
         metrics["eval_samples"] = len(eval_dataset)
         trainer.log_metrics("eval", metrics)
-        trainer.save_metrics("eval", metrics)
+        # "validation_results.json", not Trainer's default "eval_results.json": that name is flexformers-decode's
+        # test-set report (read by flexformers-export), which a later --do_eval run would otherwise overwrite.
+        trainer.save_metrics("validation", metrics)
         results["eval"] = metrics
     if training_args.do_predict:
         prediction = trainer.predict(test_dataset, metric_key_prefix="test")
