@@ -493,7 +493,7 @@ def read_eval_results(checkpoint: Path) -> dict[str, Any] | None:
     missing = [field for field in ("task", "dataset", "split", "metrics") if field not in results]
     if missing:
         origin = (
-            " (its eval_* keys look like Trainer.save_metrics('eval') output, e.g. from an older flexformers-train "
+            " (its eval_* keys look like Trainer.save_metrics output, e.g. from an older flexformers-train "
             "--do_eval, which wrote this file name; flexformers-train now writes validation_results.json)"
             if any(key.startswith("eval_") for key in results)
             else ""
