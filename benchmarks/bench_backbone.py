@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,6 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from configuration import FlexformerConfig  # noqa: E402
 from modeling import FlexformerForConditionalGeneration  # noqa: E402
 from modeling.modeling_flexformer import label_smoothed_nll_loss  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import interleaved  # noqa: E402
 
 VOCAB, BATCH, LENGTH = 10152, 32, 30
 
@@ -107,13 +108,6 @@ def generate_fn(model, num_beams):
     return run
 
 
-def timed(fn):
-    """Seconds of one call; a function that measures itself (the fairseq server) returns its own seconds."""
-    start = time.perf_counter()
-    reported = fn()
-    return reported if isinstance(reported, float) else time.perf_counter() - start
-
-
 class FairseqServer:
     """fairseq in its own venv (`fairseq_peer.py --serve`), driven one repetition at a time so its repetitions
     interleave with ours and FSMT's; each task returns the seconds fairseq measured for it."""
@@ -142,17 +136,6 @@ class FairseqServer:
         self.process.stdin.write("quit\n")
         self.process.stdin.close()
         self.process.wait()
-
-
-def interleaved(functions: dict, repeats: int, warmup: int = 1) -> dict[str, float]:
-    for fn in functions.values():
-        for _ in range(warmup):
-            fn()
-    times = {name: [] for name in functions}
-    for _ in range(repeats):
-        for name, fn in functions.items():
-            times[name].append(timed(fn))
-    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def run_fairseq(python: str, precision: str, repeats: int, threads: int) -> dict | None:

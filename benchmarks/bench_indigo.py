@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,6 +30,9 @@ from modeling.modeling_flexformer import FlexformerForConditionalGeneration  # n
 from modeling.modeling_indigo import InDIGOForConditionalGeneration  # noqa: E402
 from training_scripts.indigo_orders import InDIGODataCollator  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import interleaved  # noqa: E402
+
 VOCAB = 10152
 
 
@@ -42,23 +43,6 @@ def make_batch(batch: int, length: int, seed: int = 0):
     target = torch.randint(5, VOCAB, (batch, length), generator=generator)
     target[:, -1] = 2
     return source, target
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def interleaved(functions: dict, repeats: int, warmup: int = 1) -> dict[str, float]:
-    for fn in functions.values():
-        for _ in range(warmup):
-            fn()
-    times = {name: [] for name in functions}
-    for _ in range(repeats):
-        for name, fn in functions.items():
-            times[name].append(timed(fn))
-    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def greedy_fn(model, source, length):

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,6 +30,9 @@ from configuration.configuration_flexformer import FlexformerConfig  # noqa: E40
 from configuration.configuration_iot import PAPER_DECODER_ORDERS, IOTConfig  # noqa: E402
 from modeling.modeling_flexformer import FlexformerForConditionalGeneration  # noqa: E402
 from modeling.modeling_iot import IOTForConditionalGeneration  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import interleaved  # noqa: E402
 
 VOCAB, BATCH, LENGTH = 10152, 32, 30
 
@@ -100,23 +101,6 @@ def generate_fn(model, num_beams, check_mix=None):
             assert sorted(set(model.last_order_codes["decoder"].tolist())) == check_mix
 
     return run
-
-
-def timed(fn):
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def interleaved(functions: dict, repeats: int, warmup: int = 1) -> dict[str, float]:
-    for fn in functions.values():
-        for _ in range(warmup):
-            fn()
-    times = {name: [] for name in functions}
-    for _ in range(repeats):
-        for name, fn in functions.items():
-            times[name].append(timed(fn))
-    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def main():

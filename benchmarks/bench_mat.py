@@ -26,9 +26,7 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 
 import torch
 from torch import nn
@@ -47,6 +45,9 @@ from modeling.modeling_mat import (  # noqa: E402
     drop_branch_keep_scales,
     multi_branch_merge_weights,
 )
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import interleaved  # noqa: E402
 
 VOCAB = 10152
 
@@ -131,21 +132,6 @@ def make_batch(batch_size: int, source_length: int, target_length: int):
     return input_ids, torch.ones_like(input_ids), labels
 
 
-def _interleaved_medians(functions: dict, warmup: int, repeats: int) -> dict[str, float]:
-    """Median seconds of each function, timed in interleaved rounds (one call of each per round) so that load
-    drifting on a shared machine affects every compared system alike."""
-    for function in functions.values():
-        for _ in range(warmup):
-            function()
-    times = {name: [] for name in functions}
-    for _ in range(repeats):
-        for name, function in functions.items():
-            start = time.perf_counter()
-            function()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
 def training_step(model, batch, precision: str):
     input_ids, attention_mask, labels = batch
     model.float().train()
@@ -177,15 +163,15 @@ def generation_call(model, batch, num_beams: int, new_tokens: int):
 def measure(models: dict, batch, precision: str, train_steps: int, repeats: int, new_tokens: int) -> list[dict]:
     """Training step (target tokens/s), greedy and beam-5 generation (sentences/s) of every model."""
     input_ids, _, labels = batch
-    train = _interleaved_medians(
+    train = interleaved(
         {name: training_step(model, batch, precision) for name, model in models.items()}, warmup=2, repeats=train_steps
     )
     for model in models.values():
         model.eval().to(torch.bfloat16 if precision == "bf16" else torch.float32)
-    greedy = _interleaved_medians(
+    greedy = interleaved(
         {name: generation_call(model, batch, 1, new_tokens) for name, model in models.items()}, warmup=1, repeats=repeats
     )
-    beam = _interleaved_medians(
+    beam = interleaved(
         {name: generation_call(model, batch, 5, new_tokens) for name, model in models.items()}, warmup=1, repeats=repeats
     )
     for model in models.values():

@@ -277,12 +277,15 @@ class PreallocatedKVLayer(DynamicLayer):
             self._value_buffer = tensor
         self._length = tensor.shape[2]
 
+    @staticmethod
+    def _buffer_like(states: torch.Tensor, batch_size: int, capacity: int) -> torch.Tensor:
+        return states.new_empty((batch_size, states.shape[1], capacity, states.shape[3]))
+
     def _grow(self, needed: int) -> None:
         old_keys, old_values = self._key_buffer, self._value_buffer
         capacity = max(needed, 2 * old_keys.shape[2], self.min_capacity)
-        shape = (*old_keys.shape[:2], capacity, old_keys.shape[3])
-        self._key_buffer = old_keys.new_empty(shape)
-        self._value_buffer = old_values.new_empty((*old_values.shape[:2], capacity, old_values.shape[3]))
+        self._key_buffer = self._buffer_like(old_keys, old_keys.shape[0], capacity)
+        self._value_buffer = self._buffer_like(old_values, old_values.shape[0], capacity)
         self._key_buffer[:, :, : self._length] = old_keys[:, :, : self._length]
         self._value_buffer[:, :, : self._length] = old_values[:, :, : self._length]
         self._spare = None
@@ -290,32 +293,23 @@ class PreallocatedKVLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        new = key_states.shape[2]
-        if self._key_buffer is None:
-            capacity = max(new, self.min_capacity)
-            self._key_buffer = key_states.new_empty((*key_states.shape[:2], capacity, key_states.shape[3]))
-            self._value_buffer = value_states.new_empty((*value_states.shape[:2], capacity, value_states.shape[3]))
-            self._length = 0
-        elif self._length + new > self._key_buffer.shape[2]:
-            self._grow(self._length + new)
-        self._key_buffer[:, :, self._length : self._length + new] = key_states
-        self._value_buffer[:, :, self._length : self._length + new] = value_states
-        self._length += new
-        return self.keys, self.values
+        keys, values, past_length = self.reserve(key_states.shape[0], key_states, value_states)
+        keys[:, :, past_length:] = key_states
+        values[:, :, past_length:] = value_states
+        self.commit(key_states.shape[2])
+        return keys, values
 
     def reserve(self, batch_size: int, key_like: torch.Tensor, value_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Room for `key_like.shape[2]` new positions of all `batch_size` rows, written in place by their row blocks
-        (`StepKVCollector.extend`); returns views `[batch, heads, past + new, head_dim]` and the past length.
-        `commit` adds the new positions to the cache once every row has been written."""
+        """Room for `key_like.shape[2]` new positions of all `batch_size` rows (`update` writes them at once,
+        `StepKVCollector.extend` block by block); returns views `[batch, heads, past + new, head_dim]` and the past
+        length. `commit` adds the new positions to the cache once every row has been written."""
         new = key_like.shape[2]
         if not self.is_initialized:
             self.lazy_initialization(key_like, value_like)
         if self._key_buffer is None:
             capacity = max(new, self.min_capacity)
-            self._key_buffer = key_like.new_empty((batch_size, key_like.shape[1], capacity, key_like.shape[3]))
-            self._value_buffer = value_like.new_empty((batch_size, value_like.shape[1], capacity, value_like.shape[3]))
+            self._key_buffer = self._buffer_like(key_like, batch_size, capacity)
+            self._value_buffer = self._buffer_like(value_like, batch_size, capacity)
             self._length = 0
         elif self._length + new > self._key_buffer.shape[2]:
             self._grow(self._length + new)
@@ -440,9 +434,10 @@ class StepKVCollector:
         self, rows: torch.Tensor | slice | None, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """`add` the new keys/values of `rows`, and return what those rows attend over (past + new) with the past
-        length. For a contiguous block of rows (a `slice`) the past is copied once per layer and step into a
-        `[batch, heads, past + q, d]` buffer; every block writes its new positions into it in place and attends over
-        a view of it, and `flush` hands it to the cache as is — one copy of the past per step, as the plain path."""
+        length. For a contiguous block of rows (a `slice`) every block writes its new positions in place into one
+        `[batch, heads, past + q, d]` buffer per layer and step and attends over a view of it: the
+        `PreallocatedKVLayer`'s own buffer (no copy; `flush` commits), else a copy of the past that `flush` hands to
+        the cache as is — one copy of the past per step, as the plain path."""
         if not isinstance(rows, slice):
             self.add(rows, keys, values)
             if self._extended is not None:
@@ -463,24 +458,16 @@ class StepKVCollector:
             ):
                 # the row blocks write straight into the cache's own buffer: no copy of the past at all
                 full_keys, full_values, past_length = layer.reserve(self.batch_size, keys, values)
-                if self.keys is not None:
-                    full_keys[:, :, past_length:] = self.keys
-                    full_values[:, :, past_length:] = self.values
-                    self.keys = self.values = None
-                self._extended = (full_keys, full_values, past_length)
                 self._reserved_in = layer
-                full_keys[rows, :, past_length:] = keys
-                full_values[rows, :, past_length:] = values
-                self._rows_written += keys.shape[0]
-                return full_keys[rows], full_values[rows], past_length
-            past_keys, past_values = self.past(None)
-            past_length = 0 if past_keys is None else past_keys.shape[2]
-            shape = (self.batch_size, keys.shape[1], past_length + keys.shape[2], keys.shape[3])
-            # every position gets written (the past here, the new ones by the row blocks: `flush` checks the count)
-            full_keys, full_values = keys.new_empty(shape), values.new_empty(shape)
-            if past_length:
-                full_keys[:, :, :past_length] = past_keys
-                full_values[:, :, :past_length] = past_values
+            else:
+                past_keys, past_values = self.past(None)
+                past_length = 0 if past_keys is None else past_keys.shape[2]
+                shape = (self.batch_size, keys.shape[1], past_length + keys.shape[2], keys.shape[3])
+                # every position gets written (the past here, the new ones by the row blocks: `flush` checks it)
+                full_keys, full_values = keys.new_empty(shape), values.new_empty(shape)
+                if past_length:
+                    full_keys[:, :, :past_length] = past_keys
+                    full_values[:, :, :past_length] = past_values
             if self.keys is not None:  # rows written by `add` before: move them into the buffer
                 full_keys[:, :, past_length:] = self.keys
                 full_values[:, :, past_length:] = self.values

@@ -20,6 +20,7 @@ from modeling.modeling_flexformer import (
     dropout,
     label_smoothed_nll_loss,
     make_positions,
+    new_decoder_cache,
     token_loss_terms,
     sinusoidal_table,
 )
@@ -41,8 +42,10 @@ def batch(seed=1, rows=3, src_len=7, tgt_len=6, vocab=60):
     return source, target
 
 
-def incremental_logits(model, source, decoder_input_ids, **kwargs):
-    out = model(input_ids=source, decoder_input_ids=decoder_input_ids[:, :1], use_cache=True, **kwargs)
+def incremental_logits(model, source, decoder_input_ids, cache=None, **kwargs):
+    out = model(
+        input_ids=source, decoder_input_ids=decoder_input_ids[:, :1], use_cache=True, past_key_values=cache, **kwargs
+    )
     logits, cache = [out.logits], out.past_key_values
     for t in range(1, decoder_input_ids.shape[1]):
         out = model(
@@ -607,7 +610,10 @@ def test_per_row_plan_is_a_shortest_common_supersequence_of_the_orders():
     assert all(tuple(applied[row]) == default[int(per_row.order_index[row])] for row in range(7))
 
 
-def test_per_row_orders_equal_each_row_alone_full_and_incremental():
+@pytest.mark.parametrize("cache_kind", ["preallocated", "dynamic"])
+def test_per_row_orders_equal_each_row_alone_full_and_incremental(cache_kind):
+    """Row blocks write into the `PreallocatedKVLayer`'s own buffer (the default cache) or into a per-step copy of
+    the past (a plain `DynamicCache`); both equal the full forward."""
     model = tiny_model()
     source, target = batch()
     per_row = PerRowSublayerOrder(torch.tensor([1, 0, 2]), ORDERS)
@@ -625,8 +631,15 @@ def test_per_row_orders_equal_each_row_alone_full_and_incremental():
                 encoder_sublayer_order=encoder_per_row.orders[int(encoder_per_row.order_index[row])],
             ).logits
             torch.testing.assert_close(together[row : row + 1], alone, atol=1e-5, rtol=0)
-        incremental = incremental_logits(model, source, target, decoder_sublayer_order=per_row)
+        if cache_kind == "dynamic":
+            cache = EncoderDecoderCache(DynamicCache(config=model.config), DynamicCache(config=model.config))
+        else:
+            cache = new_decoder_cache(model.config)
+        incremental = incremental_logits(model, source, target, cache=cache, decoder_sublayer_order=per_row)
         full = model(input_ids=source, decoder_input_ids=target, decoder_sublayer_order=per_row).logits
+    expected_layer = DynamicLayer if cache_kind == "dynamic" else PreallocatedKVLayer
+    assert all(type(layer) is expected_layer for layer in cache.self_attention_cache.layers)
+    assert cache.get_seq_length() == target.shape[1]
     torch.testing.assert_close(incremental, full, atol=1e-5, rtol=0)
 
 

@@ -40,6 +40,7 @@ from training_scripts.indigo_orders import (
     order_random,
     order_right_to_left,
 )
+from tests.conftest import tiny_config_kwargs
 
 SETTINGS = settings(max_examples=40, deadline=None)
 MODEL_SETTINGS = settings(max_examples=12, deadline=None)
@@ -47,13 +48,7 @@ HAS_SPACY = importlib.util.find_spec("spacy") is not None
 
 
 def tiny_config(**overrides) -> InDIGOConfig:
-    values = dict(
-        vocab_size=40, encoder_embed_dim=32, decoder_embed_dim=32, encoder_ffn_embed_dim=64,
-        decoder_ffn_embed_dim=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, dropout=0.0, max_target_positions=64,
-    )
-    values.update(overrides)
-    return InDIGOConfig(**values)
+    return InDIGOConfig(**tiny_config_kwargs(**{"vocab_size": 40, **overrides}))
 
 
 @pytest.fixture(scope="module")

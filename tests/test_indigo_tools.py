@@ -22,16 +22,13 @@ from training_scripts.methods.indigo import (
     update_indigo_config,
 )
 from training_scripts.model_registry import get_method_spec
+from tests.conftest import tiny_config_kwargs
 
 
 def tiny_config(**overrides) -> InDIGOConfig:
-    values = dict(
-        vocab_size=24, encoder_embed_dim=32, decoder_embed_dim=32, encoder_ffn_embed_dim=64,
-        decoder_ffn_embed_dim=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, dropout=0.0, max_target_positions=32,
-    )
-    values.update(overrides)
-    return InDIGOConfig(**values)
+    small = dict(vocab_size=24, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                 decoder_attention_heads=2, max_target_positions=32)
+    return InDIGOConfig(**tiny_config_kwargs(**{**small, **overrides}))
 
 
 def test_method_spec_and_arguments():
