@@ -10,6 +10,8 @@ they pick. Rows:
 - ``backbone``: the plain ``FlexformerForConditionalGeneration`` with the same weights (full depth);
 - ``full``: the Depth-Adaptive model with every token exiting at block 6 (its early-exit loop, no exits);
 - ``fixed 2``: every token exits at block 2 (AE = 2);
+- ``fixed 2, eager copies``: the same, with the skipped blocks' copied-state keys/values projected at every step
+  (``model.defer_copied_states = False``) instead of when a later token needs them (never, here);
 - ``geometric``: the geometric-like halting (Eq. 12–13) with each block's bias set at the 30 % quantile of its
   halting logits on teacher-forced random targets, so tokens exit at mixed blocks with AE ≈ 2;
 - ``confidence``: confidence thresholding with thresholds set the same way (it pays a 10152-way classifier after
@@ -147,6 +149,9 @@ class ClassifierTimer:
 
 def run_case(model, batches, beams: int, steps: int, settings: dict, counter: ExitCounter | None):
     """One pass over ``batches``: (decoder seconds, generate seconds, AE, classifier seconds)."""
+    settings = dict(settings)
+    if hasattr(model, "defer_copied_states"):
+        model.defer_copied_states = settings.pop("defer_copied_states", True)
     timer = ForwardTimer(model)
     classifier_timer = ClassifierTimer(model)
     if counter is not None:
@@ -168,6 +173,9 @@ def run_case(model, batches, beams: int, steps: int, settings: dict, counter: Ex
 def count_forward_ops(model, source, beams: int, steps: int, settings: dict) -> float:
     """Top-level ATen operator calls inside the model's forward per decoding step (load-independent: on a small
     model at small batch, time is mostly per-operator overhead)."""
+    settings = dict(settings)
+    if hasattr(model, "defer_copied_states"):
+        model.defer_copied_states = settings.pop("defer_copied_states", True)
     original = model.forward
 
     def marked(*args, **kwargs):
@@ -218,6 +226,7 @@ def main(argv=None):
         ("backbone", baseline, {}),
         ("full", model, {"exit_strategy": "full"}),
         ("fixed 2", model, {"exit_strategy": "fixed", "fixed_exit": 2}),
+        ("fixed 2, eager copies", model, {"exit_strategy": "fixed", "fixed_exit": 2, "defer_copied_states": False}),
         ("geometric", model, {"exit_strategy": "halting", "exit_thresholds": geometric_thresholds}),
         ("confidence", model, {"exit_strategy": "confidence", "exit_thresholds": thresholds}),
     ]

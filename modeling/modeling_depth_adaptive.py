@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 from transformers.utils import ModelOutput
 
@@ -37,6 +38,7 @@ from .modeling_flexformer import (
     label_smoothed_nll_loss,
     new_decoder_cache,
     padding_mask,
+    use_preallocated_layers,
 )
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -440,6 +442,116 @@ class ExitDecider:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Early-exit generation cache: copied states projected when a later token needs them
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class CopiedStateCache(DynamicCache):
+    """The decoder self-attention cache of early-exit ``generate()``: preallocated layers, plus the *copied states*
+    of the decoding steps at which every row exited below some block.
+
+    Algorithm 2 (Appendix B) gives the blocks above an exit their own key/value projections of the copied state.
+    When no row of a step reaches block n, nothing reads block n's keys/values for that position until a later
+    token runs block n — so early-exit generation records the step's exit states here instead, and the decoder
+    projects every missing position of a block at once (one matmul) just before the block next runs
+    (:meth:`DepthAdaptiveDecoder.catch_up_copied_states`). With a fixed exit or a whole step that exits low, the
+    skipped blocks then cost nothing at all. The keys/values are exactly those of the eager projection; the cache
+    is completed before ``generate()`` hands it back (``defer_copied_states`` is only on inside ``generate``).
+
+    Beam reordering, cropping and batch expansion/selection move the recorded states with the layers.
+    """
+
+    def __init__(self, config=None, **kwargs):
+        super().__init__(config=config, **kwargs)
+        use_preallocated_layers(self)
+        self.defer_copied_states = False
+        self._copied_states: torch.Tensor | None = None  # [batch, capacity, d]; position p at [:, p]
+        self._spare_copied_states: torch.Tensor | None = None
+        self._recorded_until = 0  # positions < this may hold recorded states
+
+    def _layer_length(self, layer_idx: int) -> int:
+        return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
+
+    def record_copied_states(self, position: int, states: torch.Tensor) -> None:
+        """Exit states ``[batch, 1, d]`` of decoding step ``position`` (each row's last computed state)."""
+        buffer = self._copied_states
+        if buffer is not None and buffer.shape[0] != states.shape[0]:
+            start, stop = self._pending_window()
+            if start < stop:
+                raise RuntimeError(
+                    f"copied states are pending for {buffer.shape[0]} rows but this step has {states.shape[0]} rows"
+                )
+            buffer = None
+        if buffer is None or position >= buffer.shape[1]:
+            capacity = max(position + 1, 2 * (buffer.shape[1] if buffer is not None else 0), 32)
+            grown = states.new_empty(states.shape[0], capacity, states.shape[-1])
+            if buffer is not None and self._recorded_until:
+                grown[:, : self._recorded_until] = buffer[:, : self._recorded_until]
+            buffer = self._copied_states = grown
+        buffer[:, position] = states[:, 0]
+        self._recorded_until = max(self._recorded_until, position + 1)
+
+    def missing_copied_states(self, layer_idx: int, position: int) -> torch.Tensor | None:
+        """``[batch, p, d]``: the recorded states of the positions before ``position`` whose keys/values layer
+        ``layer_idx`` still lacks (every row skipped the block there), or ``None``."""
+        start = self._layer_length(layer_idx)
+        if start >= position:
+            return None
+        if self._copied_states is None or position > self._recorded_until:
+            raise RuntimeError(
+                f"decoder layer {layer_idx} holds {start} positions but no copied states were recorded up to {position}"
+            )
+        return self._copied_states[:, start:position]
+
+    def _pending_window(self) -> tuple[int, int]:
+        start = min((self._layer_length(idx) for idx in range(len(self.layers))), default=0)
+        return start, self._recorded_until
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        start, stop = self._pending_window()
+        if self._copied_states is not None and start < stop:
+            # into a spare buffer that is then swapped in, as PreallocatedKVLayer does (no fresh tensor per step)
+            buffer = self._copied_states
+            if self._spare_copied_states is None or self._spare_copied_states.shape != buffer.shape:
+                self._spare_copied_states = torch.empty_like(buffer)
+            spare = self._spare_copied_states
+            torch.index_select(buffer[:, start:stop], 0, beam_idx.to(buffer.device), out=spare[:, start:stop])
+            self._copied_states, self._spare_copied_states = spare, buffer
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"`crop` takes a negative number of tokens to remove, got {tokens_to_remove}")
+        new_length = max(self.get_seq_length() + tokens_to_remove, 0)
+        for layer_idx in range(len(self.layers)):
+            excess = self._layer_length(layer_idx) - new_length
+            if excess > 0:
+                self.layers[layer_idx].crop(-excess)
+        self._recorded_until = min(self._recorded_until, new_length)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self._copied_states is not None:
+            self._copied_states = self._copied_states.repeat_interleave(repeats, dim=0)
+            self._spare_copied_states = None
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self._copied_states is not None:
+            self._copied_states = self._copied_states[indices]
+            self._spare_copied_states = None
+
+    def reset(self) -> None:
+        super().reset()
+        self._copied_states = self._spare_copied_states = None
+        self._recorded_until = 0
+
+
+def deferring_copied_states(self_attention_cache) -> bool:
+    return isinstance(self_attention_cache, CopiedStateCache) and self_attention_cache.defer_copied_states
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Decoder with early exits
 # ----------------------------------------------------------------------------------------------------------------------
 
@@ -543,6 +655,26 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
             result.append(layer.self_attn.project_key_value(inputs))
         return result
 
+    def catch_up_copied_states(self, self_attention_cache, layer_idx: int, position: int) -> None:
+        """Give block ``layer_idx`` its own key/value projections (Sec. 2.2.1) of the copied states of every position
+        before ``position`` at which no row reached it (recorded in a :class:`CopiedStateCache`), one matmul for
+        all of them — just before a token needs the block."""
+        missing = self_attention_cache.missing_copied_states(layer_idx, position)
+        if missing is not None:
+            (keys, values), = self.copied_key_values(layer_idx, missing, num_layers=1)
+            self_attention_cache.update(keys, values, layer_idx)
+
+    def complete_copied_states(self, past_key_values) -> None:
+        """Catch every block up to the cache's full length (the cache is then what eager projection would have
+        written); a no-op for any other cache."""
+        self_cache = getattr(past_key_values, "self_attention_cache", None)
+        if not isinstance(self_cache, CopiedStateCache):
+            return
+        length = self_cache.get_seq_length()
+        with torch.no_grad():
+            for layer_idx in range(len(self.layers)):
+                self.catch_up_copied_states(self_cache, layer_idx, length)
+
     def forward_layerwise(
         self,
         hidden_states: torch.Tensor,
@@ -598,6 +730,15 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
                 hidden_states = scale_gradient(output, 1.0 / gradient_scales[idx + 1])
         return states, hidden_states, exits
 
+    def _store_copied_states(self, self_cache, first_layer: int, position: int, copied: torch.Tensor, deferring: bool):
+        """Every row exited below block ``first_layer + 1`` at this step: record the copied states for a later catch-up
+        (``deferring``), else write the blocks' keys/values of them now (one matmul for all blocks)."""
+        if deferring:
+            self_cache.record_copied_states(position, copied)
+            return
+        for offset, (keys, values) in enumerate(self.copied_key_values(first_layer, copied)):
+            self_cache.update(keys, values, first_layer + offset)
+
     def early_exit_step(self, hidden_states: torch.Tensor, layer_kwargs: dict, past_key_values, decider, classify):
         """One incremental decoding step with early exits (Appendix B, Algorithm 2) for a batch of single tokens
         ``[b, 1, d]`` (embedded). Returns ``(logits [b, 1, V], exits [b])``.
@@ -611,11 +752,15 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
         - *dense*: with many rows left, gathering rows costs more than it saves, so the block runs on the whole
           batch with the copied states as the exited rows' inputs — which writes exactly the copied states' K/V for
           them — and their outputs are dropped;
-        - once every row has exited, the blocks above only project the copied states (one matmul for all of them).
+        - once every row has exited, the blocks above only need the copied states' keys/values: with a deferring
+          :class:`CopiedStateCache` (``generate()``) the step records the copied states and each block projects them
+          when a later token next runs it (never, with a fixed exit); otherwise one matmul for all blocks now.
         """
         num_layers = len(self.layers)
         batch = hidden_states.shape[0]
         self_cache = past_key_values.self_attention_cache
+        deferring = deferring_copied_states(self_cache)
+        position = self_cache.get_seq_length() if deferring else 0  # this step's position
         exits = torch.full((batch,), num_layers, dtype=torch.long, device=hidden_states.device)
         active_rows = None  # None: every row, in batch order
         exited_rows = None  # rows that have exited, in batch order
@@ -625,9 +770,10 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
             block = idx + 1
             if active_rows is not None and active_rows.numel() == 0:
                 # Every row has exited: the blocks above only need the copied states' keys/values.
-                for offset, (keys, values) in enumerate(self.copied_key_values(idx, copied)):
-                    self_cache.update(keys, values, idx + offset)
+                self._store_copied_states(self_cache, idx, position, copied, deferring)
                 break
+            if deferring:
+                self.catch_up_copied_states(self_cache, idx, position)
             if exited_rows is None:
                 hidden_states = self.run_block(idx, hidden_states, layer_kwargs, past_key_values)
             elif active_rows.numel() >= self.dense_step_fraction * batch:
@@ -656,8 +802,7 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
             if leaving == batch:  # every row leaves at this block
                 exits.fill_(block)
                 finished.append((None, exit_logits if exit_logits is not None else classify(block, hidden_states)))
-                for offset, (keys, values) in enumerate(self.copied_key_values(idx + 1, hidden_states)):
-                    self_cache.update(keys, values, idx + 1 + offset)
+                self._store_copied_states(self_cache, idx + 1, position, hidden_states, deferring)
                 return finished[0][1], exits
             rows_now = active_rows if active_rows is not None else torch.arange(batch, device=exits.device)
             if leaving == hidden_states.shape[0]:
@@ -759,6 +904,9 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
     config_class = DepthAdaptiveConfig
     base_model_class = DepthAdaptiveModel
     components = DEPTH_ADAPTIVE_COMPONENTS
+    # generate() projects the copied states of skipped blocks only when a later token runs the block
+    # (CopiedStateCache); False projects them at every step, as Algorithm 2 is written (same keys/values).
+    defer_copied_states: bool = True
 
     def __init__(self, config: DepthAdaptiveConfig):
         super().__init__(config)
@@ -930,6 +1078,7 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
                 )
                 exits = exits.unsqueeze(-1)
             else:
+                decoder.complete_copied_states(past_key_values)  # the layer-wise pass writes every block's cache
                 decider = None if token_exits is not None else self.make_exit_decider(settings, encoder_states, attention_mask)
                 _, exit_states, exits = decoder.forward_layerwise(
                     hidden_states, layer_kwargs, past_key_values, token_exits=token_exits, decider=decider
@@ -1089,6 +1238,11 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
         self._generation_exit_settings = settings
         try:
             output = super().generate(inputs, generation_config, **kwargs)
+            returned_cache = None if isinstance(output, torch.Tensor) else output.get("past_key_values")
+            if returned_cache is not None:
+                self.model.decoder.complete_copied_states(returned_cache)
+                if isinstance(returned_cache.self_attention_cache, CopiedStateCache):
+                    returned_cache.self_attention_cache.defer_copied_states = False
             if not return_exits:
                 return output
             sequences = output if isinstance(output, torch.Tensor) else output.sequences
@@ -1104,6 +1258,22 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
             return DepthAdaptiveGenerateOutput(sequences=output, exits=exits)
         output["exits"] = exits
         return output
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """The backbone's generation cache, with a deferring :class:`CopiedStateCache` for the decoder
+        self-attention (a cache the caller passed is used as is)."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get("past_key_values")
+        if (
+            self.defer_copied_states
+            and isinstance(cache, EncoderDecoderCache)
+            and not getattr(cache, "_is_user_defined", False)
+            and type(cache.self_attention_cache) is DynamicCache
+            and cache.self_attention_cache.get_seq_length() == 0
+        ):
+            self_cache = CopiedStateCache(config=self.config)
+            self_cache.defer_copied_states = True
+            cache.self_attention_cache = self_cache
 
     @torch.no_grad()
     def compute_token_exits(

@@ -319,6 +319,11 @@ class PreallocatedKVLayer(DynamicLayer):
     def commit(self, new: int) -> None:
         self._length += new
 
+    def get_seq_length(self) -> int:
+        if self._key_buffer is None:
+            return super().get_seq_length()
+        return self._length  # without building the `keys` view (asked several times per decoding step)
+
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError(f"`crop` takes a negative number of tokens to remove, got {tokens_to_remove}")

@@ -232,6 +232,108 @@ def test_batched_early_exit_generation_equals_per_sentence_generation(beams, den
             assert torch.equal(batched.exits[row, : width - 1], single.exits[0])
 
 
+def _generate_with_cache(model, source, defer, **kwargs):
+    model.defer_copied_states = defer
+    try:
+        with torch.no_grad():
+            kwargs.setdefault("max_new_tokens", 8)
+            return model.generate(source, return_dict_in_generate=True, output_scores=True, **kwargs)
+    finally:
+        model.defer_copied_states = True
+
+
+@pytest.mark.parametrize("beams", [1, 3])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"exit_strategy": "fixed", "fixed_exit": 1},
+        {"exit_strategy": "fixed", "fixed_exit": 2},
+        {"exit_strategy": "halting"},
+        {"exit_strategy": "confidence"},
+    ],
+    ids=["fixed1", "fixed2", "geometric", "confidence"],
+)
+def test_deferred_copied_states_give_the_eager_generation_and_cache(beams, settings):
+    """Projecting a skipped block's copied states only when a later token runs the block (CopiedStateCache) is
+    Algorithm 2: same hypotheses, scores and exits, and the returned cache holds every block's keys/values."""
+    model = make_model(seed=3, halting_mechanism="token_geometric")
+    source, target = make_batch()
+    settings = balance_exits(model, source, target, settings)
+    deferred = _generate_with_cache(model, source, True, num_beams=beams, return_exits=True, **settings)
+    eager = _generate_with_cache(model, source, False, num_beams=beams, return_exits=True, **settings)
+    assert torch.equal(deferred.sequences, eager.sequences)
+    assert torch.equal(deferred.exits, eager.exits)
+    for deferred_scores, eager_scores in zip(deferred.scores, eager.scores):
+        torch.testing.assert_close(deferred_scores, eager_scores, rtol=1e-5, atol=1e-5)
+    deferred_cache = deferred.past_key_values.self_attention_cache
+    eager_cache = eager.past_key_values.self_attention_cache
+    assert type(deferred_cache).__name__ == "CopiedStateCache" and not deferred_cache.defer_copied_states
+    for deferred_layer, eager_layer in zip(deferred_cache.layers, eager_cache.layers):
+        assert deferred_layer.keys.shape == eager_layer.keys.shape
+        torch.testing.assert_close(deferred_layer.keys, eager_layer.keys, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(deferred_layer.values, eager_layer.values, rtol=1e-5, atol=1e-6)
+
+
+def test_deferred_copied_states_over_a_generation_longer_than_the_first_buffer():
+    """40 steps (the recorded states' buffer grows past its first 32 positions) with beams reordering it."""
+    model = make_model(seed=3, halting_mechanism="token_geometric")
+    source, target = make_batch()
+    settings = balance_exits(model, source, target, {"exit_strategy": "halting"})
+    kwargs = dict(num_beams=2, min_new_tokens=40, max_new_tokens=40, return_exits=True, **settings)
+    deferred = _generate_with_cache(model, source, True, **kwargs)
+    eager = _generate_with_cache(model, source, False, **kwargs)
+    assert deferred.sequences.shape[1] == 41
+    assert torch.equal(deferred.sequences, eager.sequences) and torch.equal(deferred.exits, eager.exits)
+    for deferred_layer, eager_layer in zip(deferred.past_key_values.self_attention_cache.layers,
+                                           eager.past_key_values.self_attention_cache.layers):
+        torch.testing.assert_close(deferred_layer.keys, eager_layer.keys, rtol=1e-5, atol=1e-6)
+
+
+def _deferred_cache_after_steps(model, source, steps=4):
+    """A CopiedStateCache after `steps` early-exit steps at exit 1 (upper blocks never run), and the eager one."""
+    from modeling.modeling_depth_adaptive import CopiedStateCache
+    from modeling.modeling_flexformer import new_decoder_cache
+
+    caches = []
+    for defer in (True, False):
+        cache = new_decoder_cache(model.config)
+        if defer:
+            cache.self_attention_cache = CopiedStateCache(config=model.config)
+            cache.self_attention_cache.defer_copied_states = True
+        encoder_outputs = model.get_encoder()(input_ids=source)
+        tokens = torch.full((source.shape[0], 1), 2)
+        with torch.no_grad():
+            for step in range(steps):
+                output = model(encoder_outputs=encoder_outputs, attention_mask=source.ne(PAD).long(),
+                               decoder_input_ids=tokens, past_key_values=cache, use_cache=True,
+                               exit_strategy="fixed", fixed_exit=1 if step != 1 else 3)
+                tokens = output.logits.argmax(-1)
+        caches.append(cache)
+    return caches
+
+
+@pytest.mark.parametrize("operation", ["crop", "select", "repeat", "reorder"])
+def test_copied_state_cache_operations_commute_with_completing_it(operation):
+    """Cropping, selecting/repeating rows or reordering beams of a cache with recorded copied states, then
+    completing it, gives the eager cache with the same operation applied."""
+    model = make_model(seed=5)
+    source, _ = make_batch()
+    deferred, eager = _deferred_cache_after_steps(model, source)
+    assert deferred.self_attention_cache.layers[2].get_seq_length() == 2  # steps 0 and 1 only: the rest deferred
+    apply = {
+        "crop": lambda cache: cache.crop(-2),
+        "select": lambda cache: cache.batch_select_indices(torch.tensor([2, 0])),
+        "repeat": lambda cache: cache.batch_repeat_interleave(2),
+        "reorder": lambda cache: cache.self_attention_cache.reorder_cache(torch.tensor([1, 1, 0])),
+    }[operation]
+    apply(deferred)
+    apply(eager)
+    model.model.decoder.complete_copied_states(deferred)
+    for deferred_layer, eager_layer in zip(deferred.self_attention_cache.layers, eager.self_attention_cache.layers):
+        torch.testing.assert_close(deferred_layer.keys, eager_layer.keys, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(deferred_layer.values, eager_layer.values, rtol=1e-5, atol=1e-6)
+
+
 def test_generate_honours_generation_config_and_returns_exits_with_dict_outputs():
     model = make_model(seed=3, halting_mechanism="token_geometric")
     source, target = make_batch()
