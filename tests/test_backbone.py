@@ -755,6 +755,27 @@ def test_source_grouped_cache_equals_per_row_cross_attention(tmp_path):
     torch.testing.assert_close(outputs["grouped"][1], outputs["standard"][1], atol=1e-6, rtol=0)
 
 
+def test_grouped_beam_queries_take_the_same_values_with_products_or_sdpa():
+    """On CPU the folded beam queries of a SourceGroupedCache use the two batched products instead of SDPA; both
+    give the same beam search."""
+    from modeling.modeling_flexformer import FlexformerAttention
+
+    model = tiny_model()
+    source, _ = batch()
+    options = dict(num_beams=3, max_new_tokens=5, min_new_tokens=5, return_dict_in_generate=True, output_scores=True)
+    results = {}
+    try:
+        for products in (True, False):
+            FlexformerAttention.grouped_queries_use_products = products
+            with torch.no_grad():
+                results[products] = model.generate(source, **options)
+    finally:
+        FlexformerAttention.grouped_queries_use_products = True
+    assert torch.equal(results[True].sequences, results[False].sequences)
+    for with_products, with_sdpa in zip(results[True].scores, results[False].scores):
+        torch.testing.assert_close(with_products, with_sdpa, atol=1e-5, rtol=1e-5)
+
+
 def test_generate_infers_the_source_padding_mask():
     """Without an explicit attention_mask, a padded sentence gets exactly the scores it gets alone."""
     model = tiny_model()
