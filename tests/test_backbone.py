@@ -787,3 +787,62 @@ def test_generate_infers_the_source_padding_mask():
     assert torch.equal(together.sequences[-1:], alone.sequences)
     for step_together, step_alone in zip(together.scores, alone.scores):
         torch.testing.assert_close(step_together[-1:], step_alone, atol=1e-5, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------- prepacked weights
+
+
+@pytest.fixture
+def always_prepack(monkeypatch):
+    """Take the prepacked oneDNN path for every inference linear (tiny weights never pay on their own)."""
+    import modeling.modeling_flexformer as backbone
+
+    if not backbone._prepacking_possible():
+        pytest.skip("this torch build has no oneDNN linear")
+    monkeypatch.setattr(backbone, "PREPACK_INFERENCE_WEIGHTS", True)
+    monkeypatch.setattr(backbone, "_prepacking_pays", lambda rows, weight: True)
+    return backbone
+
+
+def test_prepacked_inference_equals_plain_linear(always_prepack):
+    """Forward logits and greedy/beam generation are those of F.linear; the packed copies live outside the
+    model (state dict unchanged, deepcopy works) and gradients never take the packed path."""
+    import copy
+
+    model = tiny_model()
+    source, target = batch()
+    with torch.no_grad():
+        packed_logits = model(input_ids=source, decoder_input_ids=target).logits
+        packed_greedy = model.generate(source, max_new_tokens=6, min_new_tokens=6)
+        packed_beam = model.generate(source, max_new_tokens=6, num_beams=3)
+    assert len(always_prepack._PACKED_WEIGHTS) > 0
+    always_prepack.PREPACK_INFERENCE_WEIGHTS = False
+    with torch.no_grad():
+        plain_logits = model(input_ids=source, decoder_input_ids=target).logits
+        assert torch.equal(model.generate(source, max_new_tokens=6, min_new_tokens=6), packed_greedy)
+        assert torch.equal(model.generate(source, max_new_tokens=6, num_beams=3), packed_beam)
+    torch.testing.assert_close(packed_logits, plain_logits, atol=1e-5, rtol=1e-5)
+    assert not any("pack" in key for key in model.state_dict())
+    copy.deepcopy(model)
+    always_prepack.PREPACK_INFERENCE_WEIGHTS = True
+    model.train()
+    loss = model(input_ids=source, labels=target).loss
+    loss.backward()
+    assert model.model.decoder.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+def test_prepacked_weights_follow_in_place_updates(always_prepack):
+    """An optimizer step changes the weights in place: the next inference call repacks them."""
+    model = tiny_model()
+    source, target = batch()
+    with torch.no_grad():
+        model(input_ids=source, decoder_input_ids=target)  # packs
+    model.train()
+    model(input_ids=source, labels=target).loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    model.eval()
+    with torch.no_grad():
+        packed = model(input_ids=source, decoder_input_ids=target).logits
+        always_prepack.PREPACK_INFERENCE_WEIGHTS = False
+        plain = model(input_ids=source, decoder_input_ids=target).logits
+    torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
