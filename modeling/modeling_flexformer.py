@@ -202,14 +202,15 @@ PREPACK_INFERENCE_WEIGHTS: bool = _prepacking_possible()
 
 
 def _prepacking_pays(rows: int, weight: torch.Tensor) -> bool:
-    """Where the packed oneDNN product beat `F.linear` (2 AVX2 cores, time ratio packed/plain): vocabulary-sized
-    outputs up to a few hundred rows (d 512, V 10152: 0.48 at 32 rows, 0.83 at 128, 0.91 at 256, 0.99 at 960);
-    d ≥ 512 square-ish weights only at a decoding step's few rows (0.81–0.84 at 32 rows, 0.92–1.13 at 64–256,
-    1.14–1.23 at 960); small d = 256 weights never (1.1–1.4)."""
+    """Where the packed oneDNN product beat `F.linear` (2 AVX2 cores, time ratio packed/plain, medians of
+    interleaved runs): vocabulary-sized outputs up to a few hundred rows (d 512, V 10152: 0.32 at 1 row, 0.48–0.58
+    at 32, 0.83 at 128, 0.91 at 256, 0.99–1.05 at 960); d ≥ 512 weights at a decoding step's few rows (512×512,
+    512×1024, 1024×512: 0.43–0.73 at 4 rows, 0.61–0.93 at 32, 0.81–0.99 at 48, 0.87–1.03 at 64, 1.1–1.3 at 960,
+    but up to 1.43 at a single row); small d = 256 weights never (1.1–1.4)."""
     out_features, in_features = weight.shape
     if out_features >= 4096:
         return rows <= 512
-    return rows <= 48 and out_features * in_features >= 512 * 512
+    return 2 <= rows <= 48 and out_features * in_features >= 512 * 512
 
 
 def linear(owner: nn.Module, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
