@@ -407,8 +407,26 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
     def slot_log_probs(self, query: torch.Tensor, left_keys: torch.Tensor, right_keys: torch.Tensor) -> torch.Tensor:
         """Eq. 9 over all ``2n`` slots of ``n`` words in incremental decoding; query ``[b, c, d]``, keys ``[b, n, d]``
         → ``[b, c, 2n]`` log-probabilities with left of ``<s>`` and right of ``</s>`` masked."""
-        n = left_keys.shape[1]
-        logits = torch.cat([query @ left_keys.transpose(1, 2), query @ right_keys.transpose(1, 2)], dim=-1).float()
+        logits = torch.cat([query @ left_keys.transpose(1, 2), query @ right_keys.transpose(1, 2)], dim=-1)
+        return self._normalised_slots(logits)
+
+    def split_query_slot_log_probs(
+        self, state_query: torch.Tensor, word_queries: torch.Tensor, left_keys: torch.Tensor, right_keys: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`slot_log_probs` for the queries ``state_query + word_queries`` (Eq. 9's ``h E`` ``[b, d]`` and
+        ``W[y]`` ``[b, c, d]``) without building the ``[b, c, d]`` query: ``(hE)·K`` once per row and slot, added
+        to ``W[y]·K`` by the product itself (the SAO search scores every remaining word of a row this way)."""
+        parts = []
+        for keys in (left_keys, right_keys):
+            state_logits = torch.bmm(keys, state_query.unsqueeze(-1)).transpose(1, 2)  # [b, 1, n]
+            parts.append(torch.baddbmm(state_logits, word_queries, keys.transpose(1, 2)))
+        return self._normalised_slots(torch.cat(parts, dim=-1))
+
+    @staticmethod
+    def _normalised_slots(logits: torch.Tensor) -> torch.Tensor:
+        """Log-softmax over the ``2n`` slots with left of ``<s>`` (slot 0) and right of ``</s>`` (slot n+1) masked."""
+        n = logits.shape[-1] // 2
+        logits = logits.float()
         logits[..., 0] = float("-inf")
         logits[..., n + 1] = float("-inf")
         return logits.log_softmax(-1)
@@ -691,6 +709,8 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
         last = hidden[:, -1]
         batch_offsets = torch.arange(batch, device=device).repeat_interleave(beams) * beams
         ref_positions = torch.arange(ref_width, device=device)
+        # Eq. 9's word part W[y] of every candidate's pointer query: the references are fixed, so once per search
+        word_queries = self.get_decoder().embed_tokens(targets)  # [rows, T, d]
 
         for step in range(max_len + 1):
             # Only the reference words' log-probs are needed: gather their logits, subtract the normaliser
@@ -707,8 +727,9 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
             active = lengths > step
             n = step + 2
             candidate_word = word_logits.gather(1, targets) - normaliser[:, None]  # [rows, T]
-            query = self.pointer_query(last[:, None, :], targets)  # [rows, T, d]
-            slot = self.slot_log_probs(query, left_keys[:, :n], right_keys[:, :n])  # [rows, T, 2n]
+            slot = self.split_query_slot_log_probs(
+                self.pointer_query_proj(last), word_queries, left_keys[:, :n], right_keys[:, :n]
+            )  # [rows, T, 2n]
             # Correct gap of word m: right of its nearest placed left neighbour / left of the nearest right one.
             is_placed_ref = ref_index >= 0
             left_ref = torch.where(is_placed_ref, ref_positions, -1).cummax(-1).values[:, :-2]  # for ref m+1 → [:, m]
@@ -738,8 +759,8 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
                 placed[origin], ref_index[origin], ref_of_insertion[origin], orders[origin]
             )
             # reorder into the spare buffers (no fresh [rows, T, d] tensors every step), then swap
-            torch.index_select(left_keys, 0, origin, out=spare_left)
-            torch.index_select(right_keys, 0, origin, out=spare_right)
+            torch.index_select(left_keys[:, :n], 0, origin, out=spare_left[:, :n])  # the n filled positions
+            torch.index_select(right_keys[:, :n], 0, origin, out=spare_right[:, :n])
             left_keys, spare_left, right_keys, spare_right = spare_left, left_keys, spare_right, right_keys
             finished_scores = finished_scores[origin]
             valid_beam = valid_beam[origin] & torch.where(active, ~invalid.reshape(-1), True)

@@ -443,6 +443,23 @@ def test_sao_returns_permutations_scored_by_the_model_log_likelihood(model, sour
     assert torch.allclose(scores[1, 0], both.max(), atol=1e-4)
 
 
+def test_split_pointer_query_equals_the_built_query(model):
+    """The SAO search scores slots with Eq. 9's query split as (h E)·K + W[y]·K: equal to building h E + W[y]."""
+    generator = torch.Generator().manual_seed(0)
+    dim = model.config.d_model
+    state = torch.randn(4, dim, generator=generator)
+    words = torch.randint(5, 40, (4, 6), generator=generator)
+    left, right = torch.randn(4, 5, dim, generator=generator), torch.randn(4, 5, dim, generator=generator)
+    with torch.no_grad():
+        built = model.slot_log_probs(model.pointer_query(state[:, None, :], words), left, right)
+        split = model.split_query_slot_log_probs(
+            model.pointer_query_proj(state), model.get_decoder().embed_tokens(words), left, right
+        )
+    assert split.shape == (4, 6, 10)
+    torch.testing.assert_close(split, built, atol=1e-5, rtol=1e-5)
+    assert bool(torch.isinf(split[..., 0]).all()) and bool(torch.isinf(split[..., 6]).all())
+
+
 def test_sao_training_loss_averages_the_found_orders(source):
     torch.manual_seed(0)
     model = InDIGOForConditionalGeneration(tiny_config())
