@@ -38,6 +38,7 @@ from .modeling_flexformer import (
     FlexformerAttention,
     FlexformerForConditionalGeneration,
     FlexformerModel,
+    PrepackedLinear,
     new_decoder_cache,
 )
 
@@ -374,10 +375,10 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
     def __init__(self, config: InDIGOConfig):
         super().__init__(config)
         dim = config.decoder_embed_dim
-        self.word_query_proj = nn.Linear(dim, dim, bias=False) if config.word_query_projection else None  # F
-        self.pointer_query_proj = nn.Linear(dim, dim, bias=False)  # E
-        self.pointer_left_proj = nn.Linear(dim, dim, bias=False)  # C
-        self.pointer_right_proj = nn.Linear(dim, dim, bias=False)  # D
+        self.word_query_proj = PrepackedLinear(dim, dim, bias=False) if config.word_query_projection else None  # F
+        self.pointer_query_proj = PrepackedLinear(dim, dim, bias=False)  # E
+        self.pointer_left_proj = PrepackedLinear(dim, dim, bias=False)  # C
+        self.pointer_right_proj = PrepackedLinear(dim, dim, bias=False)  # D
         # Training-time switches set by the training method (not saved): searched orders instead of the
         # collator's pre-defined ones (after bootstrapping), SAO beam width, dropout during the search,
         # how many of the found orders to train on (None = all B, Eq. 12) and how to weight them (see
