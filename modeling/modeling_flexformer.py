@@ -854,6 +854,12 @@ class FlexformerFeedForward(nn.Module):
 # --------------------------------------------------------------------------------------------------------------------
 
 
+# Sub-layers that run once per contiguous row block rather than once on gathered rows: only self-attention,
+# whose growing cache a gather would copy. Cross-attention's fixed-size source keys are cheaper to gather than a
+# second call (IOT's 4 mixed orders, 32 rows: greedy 1.33× → 1.20× the baseline).
+SPLIT_ATTENTION_NAMES = ("self_attn",)
+
+
 @dataclass
 class PerRowSublayerOrder:
     """A sub-layer order per batch row: row r runs `orders[order_index[r]]`.
@@ -874,8 +880,8 @@ class PerRowSublayerOrder:
         (`shortest_common_schedule`): the default 4 decoder orders of IOT need 5 sub-layer calls per block this
         way, against 8 when rows are grouped stage by stage. Rows that form one contiguous block are a `slice`
         (views instead of copies of the hidden states, the cache and the encoder states; sort the batch by order
-        to get them); an attention sub-layer whose rows form a few (≤ number of orders) contiguous blocks runs
-        once per block, so its cache rows are never copied.
+        to get them); a self-attention sub-layer whose rows form a few (≤ number of orders) contiguous blocks runs
+        once per block, so its cache rows are never copied (`SPLIT_ATTENTION_NAMES`).
         """
         num_stages = len(self.orders[0])
         if any(len(order) != num_stages for order in self.orders):
@@ -894,7 +900,7 @@ class PerRowSublayerOrder:
                 continue
             rows = torch.sort(torch.cat([order_rows[i] for i in movers])).values
             blocks = _contiguous_blocks(rows)
-            if len(blocks) == 1 or (name != "ffn" and len(blocks) <= len(self.orders)):
+            if len(blocks) == 1 or (name in SPLIT_ATTENTION_NAMES and len(blocks) <= len(self.orders)):
                 plan.append([(name, block) for block in blocks])
             else:
                 plan.append([(name, rows)])

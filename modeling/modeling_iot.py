@@ -183,11 +183,11 @@ def sentence_label_smoothed_losses(
 
 def contiguous_order_arrangement(orders: list[tuple[str, ...]]) -> list[int]:
     """The sequence of candidate indices to lay the rows out in, so that candidates running the same sub-layer at
-    the same stage are neighbours as often as possible (attention sub-layers count double: their contiguous rows
-    let the backbone use views of the cache instead of copies). Brute force over N! ≤ 720 arrangements, once.
+    the same stage are neighbours as often as possible (self-attention counts double: its contiguous rows let the
+    backbone use views of the cache instead of copies). Brute force over N! ≤ 720 arrangements, once.
 
-    E.g. the paper's N = 4 orders 1, 2, 4, 6 → 2, 4, 1, 6: SA at stage 2 (orders 2, 4), ED at stage 2 (1, 6) and
-    FF at stage 3 (4, 1) are each one block of rows.
+    E.g. the paper's N = 4 orders 1, 2, 4, 6 → 1, 4, 2, 6: FF at stage 1 (orders 2, 6), SA at stage 2 (4, 2) and
+    FF at stage 3 (1, 4) are each one block of rows.
     """
     import itertools
 
@@ -196,7 +196,7 @@ def contiguous_order_arrangement(orders: list[tuple[str, ...]]) -> list[int]:
         for name in sorted({order[stage] for order in orders}):
             members = frozenset(i for i, order in enumerate(orders) if order[stage] == name)
             if len(members) > 1:
-                groups.append((members, 1 if name == "ffn" else 2))
+                groups.append((members, 2 if name == "self_attn" else 1))
     best, best_score = list(range(len(orders))), -1
     for arrangement in itertools.permutations(range(len(orders))):
         position = {candidate: p for p, candidate in enumerate(arrangement)}
