@@ -240,8 +240,13 @@ def linear(owner: nn.Module, inputs: torch.Tensor, weight: torch.Tensor, bias: t
     key = (weight.data_ptr(), weight._version, tuple(weight.shape))
     entry = _PACKED_WEIGHTS.get(owner)
     if entry is None or entry[0] != key:
-        entry = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows))
+        try:
+            entry = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows))
+        except RuntimeError:  # a layout or build oneDNN does not take: plain products for this weight version
+            entry = (key, None)
         _PACKED_WEIGHTS[owner] = entry
+    if entry[1] is None:
+        return F.linear(inputs, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(inputs, entry[1], bias, "none", [], "")
 
 

@@ -846,3 +846,17 @@ def test_prepacked_weights_follow_in_place_updates(always_prepack):
         always_prepack.PREPACK_INFERENCE_WEIGHTS = False
         plain = model(input_ids=source, decoder_input_ids=target).logits
     torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_a_weight_onednn_cannot_pack_falls_back_to_plain_products(always_prepack, monkeypatch):
+    def refuse(weight, rows):
+        raise RuntimeError("unsupported layout")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    model = tiny_model()
+    source, target = batch()
+    with torch.no_grad():
+        fallback = model(input_ids=source, decoder_input_ids=target).logits
+        always_prepack.PREPACK_INFERENCE_WEIGHTS = False
+        plain = model(input_ids=source, decoder_input_ids=target).logits
+    assert torch.equal(fallback, plain)
