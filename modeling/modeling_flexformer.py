@@ -232,6 +232,7 @@ def linear(owner: nn.Module, inputs: torch.Tensor, weight: torch.Tensor, bias: t
             and (inputs.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
         )
         or torch.is_autocast_enabled("cpu")
+        or weight.is_inference()  # no version counter to notice in-place updates by
     ):
         return F.linear(inputs, weight, bias)
     rows = inputs.numel() // inputs.shape[-1]
