@@ -131,6 +131,41 @@ def test_config_overrides_parsing_and_label_smoothing_guard():
         DataArguments(task="poetry")
 
 
+def test_model_name_or_path_without_preset_keeps_the_checkpoints_architecture(tmp_path):
+    """Continuing a checkpoint takes its config (dims, layers), with --config_overrides and label smoothing on top;
+    a checkpoint of another model type, another vocabulary, or no config at all is a clear error."""
+    from configuration.configuration_indigo import InDIGOConfig
+    from modeling.modeling_indigo import InDIGOForConditionalGeneration
+    from training_scripts.arguments import ModelArguments
+
+    checkpoint = tmp_path / "indigo"
+    InDIGOForConditionalGeneration(
+        InDIGOConfig.from_preset("transformer_codegen_small", **parse_config_overrides(TINY), vocab_size=64)
+    ).save_pretrained(checkpoint)
+    tokenizer = list(range(64))  # build_config only needs the vocabulary size
+    spec = get_method_spec("indigo")
+    method_args = spec.arguments_class() if spec.arguments_class is not None else None
+    model_args = ModelArguments(model_type="indigo", model_name_or_path=str(checkpoint),
+                                config_overrides="dropout=0.05", label_smoothing=0.2)
+    config = train.build_config(spec, model_args, tokenizer, tokenizer, method_args)
+    assert (config.decoder_embed_dim, config.decoder_layers, config.vocab_size) == (32, 1, 64)
+    assert (config.dropout, config.label_smoothing) == (0.05, 0.2)
+    spec.make_model(model_args, method_args, config, tokenizer)  # loads without size mismatches
+
+    with pytest.raises(ValueError, match="holds a 'indigo' model, but --model_type is 'iot'"):
+        iot = get_method_spec("iot")
+        train.build_config(iot, ModelArguments(model_type="iot", model_name_or_path=str(checkpoint)), tokenizer,
+                           tokenizer, iot.arguments_class())
+    with pytest.raises(ValueError, match="vocab_size=64 but the tokenizer has 70 tokens"):
+        train.build_config(spec, model_args, list(range(70)), list(range(70)), method_args)
+    with pytest.raises(ValueError, match="has no config.json"):
+        train.build_config(spec, ModelArguments(model_type="indigo", model_name_or_path=str(tmp_path)), tokenizer,
+                           tokenizer, method_args)
+    with pytest.raises(ValueError, match="dropout"):
+        train.build_config(spec, ModelArguments(model_type="indigo", model_name_or_path=str(checkpoint),
+                                                config_overrides="dropout=-1"), tokenizer, tokenizer, method_args)
+
+
 def test_fairseq_defaults_and_inverse_sqrt_matches_fairseq():
     _, model_args, data_args, args, _ = train.parse_arguments(["--output_dir", "unused"])
     assert (args.learning_rate, args.adam_beta1, args.adam_beta2, args.weight_decay, args.warmup_steps) == (5e-4, 0.9, 0.98, 1e-4, 4000)

@@ -17,9 +17,12 @@ class ModelArguments:
         default="flexformer",
         metadata={"help": "Model type: a module in training_scripts/methods (flexformer, iot, mat, indigo, depth_adaptive)."},
     )
-    preset: str = field(
-        default="transformer_codegen_small",
-        metadata={"help": "Architecture preset (FlexformerConfig.from_preset), e.g. transformer_iwslt_de_en."},
+    preset: str | None = field(
+        default=None,
+        metadata={
+            "help": "Architecture preset (FlexformerConfig.from_preset), e.g. transformer_iwslt_de_en. Default: "
+            "transformer_codegen_small, or the architecture of --model_name_or_path when that is given."
+        },
     )
     config_overrides: str | None = field(
         default=None,

@@ -149,8 +149,48 @@ def resolve_tokenizers(model_args: ModelArguments, corpus, output_dir: str | Non
     )
 
 
+DEFAULT_PRESET = "transformer_codegen_small"
+
+
+def checkpoint_config(spec: MethodSpec, checkpoint: str, overrides: dict):
+    """The config saved with ``--model_name_or_path`` (its architecture), with ``overrides`` applied and validated.
+
+    The checkpoint must hold a model of ``--model_type`` (or a plain ``flexformer`` Transformer, whose fields every
+    method config extends); its vocabulary must be the tokenizer's."""
+    config_file = Path(checkpoint) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(
+            f"--model_name_or_path {checkpoint} has no config.json: give a directory written by flexformers-train "
+            "or save_pretrained"
+        )
+    try:
+        saved = json.loads(config_file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_file} is not valid JSON ({error})") from error
+    expected = spec.config_class.model_type
+    if saved.get("model_type") not in (expected, "flexformer"):
+        raise ValueError(
+            f"--model_name_or_path {checkpoint} holds a {saved.get('model_type')!r} model, but --model_type is "
+            f"{expected!r}"
+        )
+    for field in ("vocab_size", "target_vocab_size"):
+        wanted = overrides.pop(field, None)
+        held = saved.get(field)
+        if wanted is not None and held is not None and held != wanted:
+            raise ValueError(
+                f"--model_name_or_path {checkpoint} has {field}={held} but the tokenizer has {wanted} tokens; "
+                "train with the checkpoint's own tokenizer (it is picked up from the checkpoint directory unless "
+                "--tokenizer_name_or_path names another)"
+            )
+    overrides.pop("share_all_embeddings", None)  # the checkpoint's own embedding layout
+    config = spec.config_class.from_pretrained(checkpoint, **overrides)
+    config.validate_fields()
+    return config
+
+
 def build_config(spec: MethodSpec, model_args: ModelArguments, source_tokenizer, target_tokenizer, method_args=None):
-    """``spec.config_class.from_preset(preset, **overrides)`` with the tokenizer's vocabulary and special ids."""
+    """``spec.config_class.from_preset(preset, **overrides)`` with the tokenizer's vocabulary and special ids; with
+    ``--model_name_or_path`` and no ``--preset``, the checkpoint's own config with the same overrides."""
     overrides = parse_config_overrides(model_args.config_overrides)
     overrides.setdefault("label_smoothing", model_args.label_smoothing)
     overrides["vocab_size"] = len(source_tokenizer)
@@ -162,7 +202,10 @@ def build_config(spec: MethodSpec, model_args: ModelArguments, source_tokenizer,
     overrides.update(pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
     if hasattr(spec.config_class, "unk_token_id") or "unk_token_id" in getattr(spec.config_class, "__dataclass_fields__", {}):
         overrides["unk_token_id"] = 3
-    config = spec.config_class.from_preset(model_args.preset, **overrides)
+    if model_args.model_name_or_path and model_args.preset is None:
+        config = checkpoint_config(spec, model_args.model_name_or_path, overrides)
+    else:
+        config = spec.config_class.from_preset(model_args.preset or DEFAULT_PRESET, **overrides)
     return spec.make_config(config, method_args)
 
 
