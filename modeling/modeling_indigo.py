@@ -39,6 +39,7 @@ from .modeling_flexformer import (
     FlexformerForConditionalGeneration,
     FlexformerModel,
     PrepackedLinear,
+    SourceGroupedCache,
     new_decoder_cache,
 )
 
@@ -699,10 +700,16 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
         finished_scores = torch.zeros(rows, device=device)
         valid_beam = torch.ones(rows, dtype=torch.bool, device=device)
 
-        cache = new_decoder_cache(config, group_size=beams)  # beams move within their sentence only
-        start = torch.tensor([config.bos_token_id, config.eos_token_id], device=device).expand(rows, 2)
-        start_relations = relative_positions_from_absolute(ref_of_insertion[:, :2])
-        hidden, cache = self._decoder_states(start, start_relations, encoder_states, encoder_mask, cache, True)
+        # <s> </s> are the same for the B beams of a sentence (and only the first beam is alive before step 0):
+        # decode them once per sentence, then give every beam those cache rows. Beams move within their sentence
+        # only, so the cross-attention keys/values stay one copy per sentence (SourceGroupedCache).
+        first = new_decoder_cache(config)
+        start = torch.tensor([config.bos_token_id, config.eos_token_id], device=device).expand(batch, 2)
+        start_relations = relative_positions_from_absolute(ref_of_insertion[::beams, :2])
+        hidden, first = self._decoder_states(start, start_relations, encoder_hidden_states, attention_mask, first, True)
+        first.self_attention_cache.batch_repeat_interleave(beams)
+        cache = SourceGroupedCache(first.self_attention_cache, first.cross_attention_cache, beams)
+        hidden = hidden.repeat_interleave(beams, 0)
         left_keys = torch.zeros(rows, max_len + 2, hidden.shape[-1], device=device, dtype=hidden.dtype)
         right_keys = torch.zeros_like(left_keys)
         left_keys[:, :2], right_keys[:, :2] = self.pointer_keys(hidden)
