@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 from transformers.utils import ModelOutput
 
@@ -461,10 +461,10 @@ class CopiedStateCache(DynamicCache):
     Beam reordering, cropping and batch expansion/selection move the recorded states with the layers.
     """
 
-    def __init__(self, config=None, **kwargs):
+    def __init__(self, config=None, defer_copied_states: bool = False, **kwargs):
         super().__init__(config=config, **kwargs)
         use_preallocated_layers(self)
-        self.defer_copied_states = False
+        self.defer_copied_states = defer_copied_states
         self._copied_states: torch.Tensor | None = None  # [batch, capacity, d]; position p at [:, p]
         self._spare_copied_states: torch.Tensor | None = None
         self._recorded_until = 0  # positions < this may hold recorded states
@@ -1259,21 +1259,12 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
         output["exits"] = exits
         return output
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """The backbone's generation cache, with a deferring :class:`CopiedStateCache` for the decoder
-        self-attention (a cache the caller passed is used as is)."""
-        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get("past_key_values")
-        if (
-            self.defer_copied_states
-            and isinstance(cache, EncoderDecoderCache)
-            and not getattr(cache, "_is_user_defined", False)
-            and type(cache.self_attention_cache) is DynamicCache
-            and cache.self_attention_cache.get_seq_length() == 0
-        ):
-            self_cache = CopiedStateCache(config=self.config)
-            self_cache.defer_copied_states = True
-            cache.self_attention_cache = self_cache
+    def _generation_self_attention_cache(self, cache: DynamicCache):
+        """A deferring :class:`CopiedStateCache` for the decoder self-attention of ``generate()`` (the backbone's seam;
+        a cache the caller passed is never replaced)."""
+        if not self.defer_copied_states:
+            return super()._generation_self_attention_cache(cache)
+        return CopiedStateCache(config=self.config, defer_copied_states=True)
 
     @torch.no_grad()
     def compute_token_exits(

@@ -1675,12 +1675,17 @@ class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, GenerationMi
             and not getattr(cache, "_is_user_defined", False)
             and type(cache.self_attention_cache) is DynamicCache
         ):
-            use_preallocated_layers(cache.self_attention_cache)
+            cache.self_attention_cache = self._generation_self_attention_cache(cache.self_attention_cache)
         group = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
         if type(cache) is EncoderDecoderCache and group > 1 and not getattr(cache, "_is_user_defined", False):
             model_kwargs["past_key_values"] = SourceGroupedCache(
                 cache.self_attention_cache, cache.cross_attention_cache, group
             )
+
+    def _generation_self_attention_cache(self, cache: DynamicCache) -> Cache:
+        """The decoder self-attention cache `generate()` runs with, given the fresh `DynamicCache` Transformers
+        built: its layers become `PreallocatedKVLayer`s. Seam: Depth-Adaptive returns a `CopiedStateCache`."""
+        return use_preallocated_layers(cache)
 
     def _prepare_text_encoder_decoder_kwargs_for_generation(self, inputs_tensor, model_kwargs, *args, **kwargs):
         """Transformers v5 builds no source mask for encoder-decoder models: infer it from the padding index, so a

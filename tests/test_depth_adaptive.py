@@ -268,6 +268,8 @@ def test_deferred_copied_states_give_the_eager_generation_and_cache(beams, setti
     deferred_cache = deferred.past_key_values.self_attention_cache
     eager_cache = eager.past_key_values.self_attention_cache
     assert type(deferred_cache).__name__ == "CopiedStateCache" and not deferred_cache.defer_copied_states
+    if settings["exit_strategy"] == "fixed":  # every step stopped below the top: its copied states were recorded
+        assert deferred_cache._recorded_until == deferred.sequences.shape[1] - 1
     for deferred_layer, eager_layer in zip(deferred_cache.layers, eager_cache.layers):
         assert deferred_layer.keys.shape == eager_layer.keys.shape
         torch.testing.assert_close(deferred_layer.keys, eager_layer.keys, rtol=1e-5, atol=1e-6)
@@ -298,8 +300,7 @@ def _deferred_cache_after_steps(model, source, steps=4):
     for defer in (True, False):
         cache = new_decoder_cache(model.config)
         if defer:
-            cache.self_attention_cache = CopiedStateCache(config=model.config)
-            cache.self_attention_cache.defer_copied_states = True
+            cache.self_attention_cache = CopiedStateCache(config=model.config, defer_copied_states=True)
         encoder_outputs = model.get_encoder()(input_ids=source)
         tokens = torch.full((source.shape[0], 1), 2)
         with torch.no_grad():
