@@ -18,6 +18,7 @@ from modeling.modeling_flexformer import (
     StepKVCollector,
     VocabularyProjection,
     dropout,
+    scaled_keep_mask,
     label_smoothed_nll_loss,
     make_positions,
     new_decoder_cache,
@@ -228,7 +229,7 @@ def test_token_loss_terms_match_log_softmax_values_and_gradients():
 
 
 def test_dropout_keeps_fairseq_semantics():
-    """CPU dropout drawn from `torch.rand`: drops with probability p, scales kept values by 1/(1−p), identity in eval
+    """CPU dropout (masks from `scaled_keep_mask`): drops with probability p, scales kept values by 1/(1−p), identity in eval
     or at p = 0, all zeros at p = 1, and the backward uses the same mask."""
     torch.manual_seed(0)
     hidden = torch.ones(400, 500, requires_grad=True)
@@ -240,6 +241,41 @@ def test_dropout_keeps_fairseq_semantics():
     assert torch.equal(hidden.grad != 0, kept)
     assert dropout(hidden, 0.3, training=False) is hidden and dropout(hidden, 0.0, training=True) is hidden
     assert torch.all(dropout(hidden, 1.0, training=True) == 0)
+
+
+@pytest.mark.parametrize("keep", [0.9, 0.7, 0.5, 0.1])
+def test_scaled_keep_masks_are_independent_draws_with_the_keep_probability(keep):
+    """Two mask elements per 32-bit draw: each half keeps with probability `keep` (to 2^-15), the two halves of a
+    draw are uncorrelated, odd sizes and other dtypes work, and the kept value is exactly 1/keep."""
+    torch.manual_seed(0)
+    mask = scaled_keep_mask(torch.empty(1_000_001, dtype=torch.float64), keep)
+    assert mask.shape == (1_000_001,) and mask.dtype == torch.float64
+    assert set(mask.unique().tolist()) == {0.0, 1 / keep}
+    kept = (mask > 0).double()
+    tolerance = 5 * (keep * (1 - keep) / mask.numel()) ** 0.5
+    assert abs(kept.mean().item() - keep) < tolerance
+    first_halves, second_halves = kept[0:-1:2], kept[1::2]  # the two halves of each draw
+    for halves in (first_halves, second_halves):
+        assert abs(halves.mean().item() - keep) < 2 * tolerance
+    covariance = ((first_halves - keep) * (second_halves - keep)).mean().item()
+    assert abs(covariance) < 5 * keep * (1 - keep) / first_halves.numel() ** 0.5
+    assert scaled_keep_mask(torch.empty(3, 5, 7, dtype=torch.bfloat16), keep).shape == (3, 5, 7)
+
+
+def test_token_loss_backward_twice_with_retained_graph_gives_the_same_gradient():
+    """The first backward reuses the forward's exp buffer in place; a second one recomputes it bit for bit."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 11, requires_grad=True)
+    labels = torch.tensor([0, 3, -100, 10, 5, 5])
+    loss = label_smoothed_nll_loss(logits, labels, 0.1)[0]
+    first = torch.autograd.grad(loss, logits, retain_graph=True)[0]
+    second = torch.autograd.grad(loss, logits)[0]
+    assert torch.equal(first, second)
+    log_probs = torch.log_softmax(logits, -1)
+    spread = 0.1 / 10
+    kept = labels.ne(-100)
+    want = -((1 - 0.1 - spread) * log_probs[kept].gather(1, labels[kept].unsqueeze(1)).sum() + spread * log_probs[kept].sum())
+    assert torch.allclose(torch.autograd.grad(want / kept.sum(), logits)[0], first, atol=1e-6)
 
 
 def test_loss_normalised_by_num_items_keeps_gradient_accumulation_exact():
