@@ -537,6 +537,10 @@ class StepKVCollector:
         `[batch, heads, past + q, d]` buffer per layer and step and attends over a view of it: the
         `PreallocatedKVLayer`'s own buffer (no copy; `flush` commits), else a copy of the past that `flush` hands to
         the cache as is — one copy of the past per step, as the plain path."""
+        if rows is None and keys.shape[0] == self.batch_size:
+            # all rows at once (an IOT stage every order shares): the whole batch is one contiguous block, so it
+            # writes in place too instead of concatenating a copy of the past
+            rows = slice(0, self.batch_size)
         if not isinstance(rows, slice):
             self.add(rows, keys, values)
             if self._extended is not None:
@@ -614,6 +618,19 @@ def _self_attention_cache(past_key_values: Cache | None) -> Cache | None:
     if isinstance(past_key_values, EncoderDecoderCache):
         return past_key_values.self_attention_cache
     return past_key_values
+
+
+def _whole_groups(rows: torch.Tensor, group: int) -> torch.Tensor | None:
+    """The group indices if `rows` (a LongTensor of batch rows) is a sequence of whole, ordered groups of `group`
+    consecutive rows — all beams of some sentences, as IOT's per-order row subsets are in beam search — else None."""
+    if rows.dim() != 1 or rows.numel() == 0 or rows.numel() % group:
+        return None
+    blocks = rows.view(-1, group)
+    firsts = blocks[:, 0]
+    offsets = torch.arange(group, device=rows.device)
+    if not bool(((blocks - firsts[:, None]) == offsets).all() and (firsts % group == 0).all()):
+        return None
+    return torch.div(firsts, group, rounding_mode="floor")
 
 
 def _index_rows(tensor: torch.Tensor | None, rows: torch.Tensor | slice | None) -> torch.Tensor | None:
@@ -765,6 +782,9 @@ class FlexformerAttention(nn.Module):
                     return keys[sentences], values[sentences]
                 rows = torch.arange(rows.start, rows.stop, device=keys.device)
             if group > 1 and rows is not None:
+                sentences = _whole_groups(rows, group)
+                if sentences is not None:  # all beams of some sentences: one copy per sentence, queries folded
+                    return keys.index_select(0, sentences), values.index_select(0, sentences)
                 sentence_rows = torch.div(rows, group, rounding_mode="floor")
                 return keys.index_select(0, sentence_rows), values.index_select(0, sentence_rows)
             return _index_rows(keys, rows), _index_rows(values, rows)
@@ -802,7 +822,7 @@ class FlexformerAttention(nn.Module):
                 key, value = self_cache.update(key, value, self.layer_idx)
         attention_mask = _index_rows(attention_mask, rows)
         group = 1
-        if self.is_cross_attention and (rows is None or isinstance(rows, slice)) and key.shape[0] != batch:
+        if self.is_cross_attention and key.shape[0] != batch:  # keys per source sentence: fold its beams' queries
             group = batch // key.shape[0]
             query = _fold_groups(query, group)
             if attention_mask is not None:

@@ -716,6 +716,44 @@ def test_row_subset_attention_with_collector_equals_full_batch_step():
     )
 
 
+def test_collector_writes_an_all_rows_stage_in_place_into_the_preallocated_cache():
+    """A stage that every row runs (`rows=None`, e.g. IOT's shared self-attention slot) attends over a view of the
+    cache's own buffer — no concatenated copy of the past — and leaves the same cache and outputs as a plain step."""
+    model = tiny_model()
+    source, target = batch()
+    with torch.no_grad():
+        first = model(input_ids=source, decoder_input_ids=target[:, :2], use_cache=True)
+        cache = first.past_key_values
+        layer = cache.self_attention_cache.layers[0]
+        assert isinstance(layer, PreallocatedKVLayer)
+        reference_cache = type(cache)(DynamicCache(), DynamicCache())
+        for idx, each in enumerate(cache.self_attention_cache.layers):
+            reference_cache.self_attention_cache.update(each.keys.clone(), each.values.clone(), idx)
+        attention = model.model.decoder.layers[0].self_attn
+        x = torch.randn(3, 1, 32)
+        expected, _ = attention(x, past_key_values=reference_cache)
+        collector = StepKVCollector(cache.self_attention_cache, 0, 3)
+        keys, values = attention.project_key_value(x)
+        full_keys, _, past_length = collector.extend(None, keys, values)
+        assert past_length == 2 and full_keys.data_ptr() == layer._key_buffer.data_ptr()
+        collector = StepKVCollector(cache.self_attention_cache, 0, 3)
+        out, _ = attention(x, past_key_values=cache, kv_collector=collector)
+        collector.flush()
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(layer.keys, reference_cache.self_attention_cache.layers[0].keys)
+    assert layer.get_seq_length() == 3
+
+
+def test_whole_groups_recognises_all_beams_of_some_sentences():
+    from modeling.modeling_flexformer import _whole_groups
+
+    assert torch.equal(_whole_groups(torch.tensor([3, 4, 5, 9, 10, 11]), 3), torch.tensor([1, 3]))
+    assert _whole_groups(torch.tensor([3, 4, 5, 9, 10]), 3) is None  # a partial sentence
+    assert _whole_groups(torch.tensor([4, 5, 6]), 3) is None  # straddles two sentences
+    assert _whole_groups(torch.tensor([5, 4, 3]), 3) is None  # beams out of order
+    assert _whole_groups(torch.tensor([], dtype=torch.long), 3) is None
+
+
 def test_decoder_pieces_compose_to_forward():
     """`embed` → `run_layer`… → `finalize` is the decoder's forward (the Depth-Adaptive seam)."""
     model = tiny_model(decoder_normalize_before=True)

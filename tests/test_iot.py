@@ -378,6 +378,47 @@ def test_mixed_order_generation_equals_per_sentence_generation(options):
         assert torch.equal(got[:, : reference.shape[1]], reference)
 
 
+def test_beam_search_over_an_even_mix_of_four_orders_attends_once_per_sentence(monkeypatch):
+    """Sentence i takes decoder order i mod 4 (as in bench_iot): some sub-layer stages then run on gathered,
+    non-contiguous rows; their cross-attention reads one key/value copy per sentence (its beams' queries folded)
+    and the hypotheses and scores equal each sentence decoded alone with its order."""
+    import modeling.modeling_flexformer as backbone
+
+    model = tiny_iot(seed=1, decoder_orders=[1, 2, 4, 6])
+    model.eval()
+    input_ids, mask, _ = batch(seed=2, size=8)
+    original = model.encode_with_orders
+
+    def even_mix(ids, attention_mask=None, **kwargs):
+        outputs = original(ids, attention_mask, **kwargs)
+        if kwargs.get("decoder_order") is None:
+            outputs["decoder_order_index"] = torch.arange(ids.shape[0]) % 4
+        return outputs
+
+    monkeypatch.setattr(model, "encode_with_orders", even_mix)
+    grouped = []
+    whole_groups = backbone._whole_groups
+
+    def spy(rows, group):
+        sentences = whole_groups(rows, group)
+        grouped.append(sentences is not None)
+        return sentences
+
+    monkeypatch.setattr(backbone, "_whole_groups", spy)
+    options = {"num_beams": 3, "max_new_tokens": 5, "min_new_tokens": 5, "return_dict_in_generate": True,
+               "output_scores": True}
+    out = model.generate(input_ids, attention_mask=mask, **options)
+    assert grouped and all(grouped)
+    codes = torch.tensor([1, 2, 4, 6])[torch.arange(8) % 4]
+    assert torch.equal(out.decoder_order_codes, codes)
+    for row in range(8):
+        alone = model.generate(
+            input_ids[row : row + 1, : int(mask[row].sum())], decoder_order=int(codes[row]), **options
+        )
+        assert torch.equal(out.sequences[row, : alone.sequences.shape[1]], alone.sequences[0])
+        torch.testing.assert_close(out.sequences_scores[row], alone.sequences_scores[0], atol=1e-5, rtol=0)
+
+
 def test_beam_indices_and_scores_follow_input_order():
     model = tiny_iot(seed=1, decoder_orders=[1, 2, 4, 6])
     diverse_predictors(model)
