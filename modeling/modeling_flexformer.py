@@ -20,6 +20,7 @@ from functools import cached_property
 
 import torch
 import torch.nn.functional as F
+import torch.utils.weak
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
@@ -620,17 +621,28 @@ def _self_attention_cache(past_key_values: Cache | None) -> Cache | None:
     return past_key_values
 
 
+# `_whole_groups` answers per row-subset tensor, remembered while the tensor lives: a generation reuses the same
+# subsets at every step, and the check needs a host sync.
+_WHOLE_GROUPS: "torch.utils.weak.WeakIdKeyDictionary" = torch.utils.weak.WeakIdKeyDictionary()
+
+
 def _whole_groups(rows: torch.Tensor, group: int) -> torch.Tensor | None:
     """The group indices if `rows` (a LongTensor of batch rows) is a sequence of whole, ordered groups of `group`
     consecutive rows — all beams of some sentences, as IOT's per-order row subsets are in beam search — else None."""
-    if rows.dim() != 1 or rows.numel() == 0 or rows.numel() % group:
-        return None
-    blocks = rows.view(-1, group)
-    firsts = blocks[:, 0]
-    offsets = torch.arange(group, device=rows.device)
-    if not bool(((blocks - firsts[:, None]) == offsets).all() and (firsts % group == 0).all()):
-        return None
-    return torch.div(firsts, group, rounding_mode="floor")
+    # inference tensors keep no version counter; the row subsets the model builds are never changed in place
+    key = (group, None if rows.is_inference() else rows._version)
+    known = _WHOLE_GROUPS.get(rows)
+    if known is not None and known[0] == key:
+        return known[1]
+    sentences = None
+    if rows.dim() == 1 and rows.numel() and rows.numel() % group == 0:
+        blocks = rows.view(-1, group)
+        firsts = blocks[:, 0]
+        offsets = torch.arange(group, device=rows.device)
+        if bool(((blocks - firsts[:, None]) == offsets).all() and (firsts % group == 0).all()):
+            sentences = torch.div(firsts, group, rounding_mode="floor")
+    _WHOLE_GROUPS[rows] = (key, sentences)
+    return sentences
 
 
 def _index_rows(tensor: torch.Tensor | None, rows: torch.Tensor | slice | None) -> torch.Tensor | None:

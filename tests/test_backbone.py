@@ -690,17 +690,22 @@ def test_step_kv_collector_refuses_a_partial_write():
         collector.flush()
 
 
+def _cache_after_steps_and_a_copy(model, steps: int):
+    """The model's decoding cache after `steps` target tokens, and an independent `DynamicCache` copy of it."""
+    source, target = batch()
+    cache = model(input_ids=source, decoder_input_ids=target[:, :steps], use_cache=True).past_key_values
+    reference_cache = type(cache)(DynamicCache(), DynamicCache())
+    for idx, layer in enumerate(cache.self_attention_cache.layers):
+        reference_cache.self_attention_cache.update(layer.keys.clone(), layer.values.clone(), idx)
+    return cache, reference_cache
+
+
 def test_row_subset_attention_with_collector_equals_full_batch_step():
     """The Depth-Adaptive / IOT primitive: attending for two row subsets with deferred cache writes gives the
     same outputs and the same cache as one full-batch step."""
     model = tiny_model()
-    source, target = batch()
     with torch.no_grad():
-        first = model(input_ids=source, decoder_input_ids=target[:, :1], use_cache=True)
-        cache = first.past_key_values
-        reference_cache = type(cache)(type(cache.self_attention_cache)(), type(cache.cross_attention_cache)())
-        for idx, layer in enumerate(cache.self_attention_cache.layers):
-            reference_cache.self_attention_cache.update(layer.keys.clone(), layer.values.clone(), idx)
+        cache, reference_cache = _cache_after_steps_and_a_copy(model, 1)
         attention = model.model.decoder.layers[0].self_attn
         x = torch.randn(3, 1, 32)
         expected, _ = attention(x, past_key_values=reference_cache)
@@ -720,15 +725,10 @@ def test_collector_writes_an_all_rows_stage_in_place_into_the_preallocated_cache
     """A stage that every row runs (`rows=None`, e.g. IOT's shared self-attention slot) attends over a view of the
     cache's own buffer — no concatenated copy of the past — and leaves the same cache and outputs as a plain step."""
     model = tiny_model()
-    source, target = batch()
     with torch.no_grad():
-        first = model(input_ids=source, decoder_input_ids=target[:, :2], use_cache=True)
-        cache = first.past_key_values
+        cache, reference_cache = _cache_after_steps_and_a_copy(model, 2)
         layer = cache.self_attention_cache.layers[0]
         assert isinstance(layer, PreallocatedKVLayer)
-        reference_cache = type(cache)(DynamicCache(), DynamicCache())
-        for idx, each in enumerate(cache.self_attention_cache.layers):
-            reference_cache.self_attention_cache.update(each.keys.clone(), each.values.clone(), idx)
         attention = model.model.decoder.layers[0].self_attn
         x = torch.randn(3, 1, 32)
         expected, _ = attention(x, past_key_values=reference_cache)
@@ -752,6 +752,10 @@ def test_whole_groups_recognises_all_beams_of_some_sentences():
     assert _whole_groups(torch.tensor([4, 5, 6]), 3) is None  # straddles two sentences
     assert _whole_groups(torch.tensor([5, 4, 3]), 3) is None  # beams out of order
     assert _whole_groups(torch.tensor([], dtype=torch.long), 3) is None
+    rows = torch.tensor([0, 1, 2])
+    assert torch.equal(_whole_groups(rows, 3), torch.tensor([0])) and _whole_groups(rows, 2) is None
+    rows[0] = 2  # the remembered answer follows in-place changes of the same tensor
+    assert _whole_groups(rows, 3) is None
 
 
 def test_decoder_pieces_compose_to_forward():
