@@ -14,6 +14,9 @@ server process (`benchmarks/fairseq_peer.py --serve`) that runs one repetition p
 and thread count (bf16: one separate fairseq run after ours and FSMT's).
 
     python benchmarks/bench_backbone.py [--repeats 5] [--precision fp32 bf16] [--fairseq-python /path/python]
+                                        [--device cuda]
+
+On a GPU (`--device cuda`) every timed call ends with a device synchronisation; fairseq runs on the same GPU.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from modeling import FlexformerForConditionalGeneration  # noqa: E402
 from modeling.modeling_flexformer import label_smoothed_nll_loss  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import interleaved  # noqa: E402
+from timing import autocast, describe_device, interleaved  # noqa: E402
 
 VOCAB, BATCH, LENGTH = 10152, 32, 30
 
@@ -74,19 +77,19 @@ def make_batch(seed=0):
 
 
 class TrainStep:
-    def __init__(self, model, kind, precision):
-        self.model, self.kind, self.precision = model.train(), kind, precision
+    def __init__(self, model, kind, precision, device):
+        self.model, self.kind, self.precision, self.device = model.train(), kind, precision, device
         # fused=True is what Seq2SeqTrainer uses by default (`optim="adamw_torch_fused"` on torch >= 2.8).
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-        self.source, self.labels = make_batch()
+        self.source, self.labels = (t.to(device) for t in make_batch())
 
     def __call__(self):
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.precision == "bf16")
-        with autocast:
+        with autocast(self.device, self.precision == "bf16"):
             if self.kind == "ours":
                 loss = self.model(input_ids=self.source, labels=self.labels).loss
             else:
-                decoder_input = torch.cat([torch.full((BATCH, 1), 2), self.labels[:, :-1]], dim=1)
+                start = torch.full((BATCH, 1), 2, device=self.labels.device)
+                decoder_input = torch.cat([start, self.labels[:, :-1]], dim=1)
                 logits = self.model(input_ids=self.source, decoder_input_ids=decoder_input).logits
                 loss, _ = label_smoothed_nll_loss(logits, self.labels, 0.1)
         loss.backward()
@@ -102,8 +105,8 @@ class TrainStep:
 FORCING = {"no-eos": {"eos_token_id": None}, "min-new-tokens": {"min_new_tokens": LENGTH}}
 
 
-def generate_fn(model, num_beams, forcing="no-eos"):
-    source, _ = make_batch(1)
+def generate_fn(model, num_beams, forcing="no-eos", device="cpu"):
+    source = make_batch(1)[0].to(device)
     model = model.eval()
 
     def run():
@@ -121,11 +124,11 @@ class FairseqServer:
     """fairseq in its own venv (`fairseq_peer.py --serve`), driven one repetition at a time so its repetitions
     interleave with ours and FSMT's; each task returns the seconds fairseq measured for it."""
 
-    def __init__(self, python: str, threads: int):
+    def __init__(self, python: str, threads: int, device: str = "cpu"):
         peer = Path(__file__).with_name("fairseq_peer.py")
         env = dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1", OMP_NUM_THREADS=str(threads))
         self.process = subprocess.Popen(
-            [python, str(peer), "--serve", "--threads", str(threads)],
+            [python, str(peer), "--serve", "--threads", str(threads), "--device", device],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
         )
         for line in self.process.stdout:
@@ -147,11 +150,12 @@ class FairseqServer:
         self.process.wait()
 
 
-def run_fairseq(python: str, precision: str, repeats: int, threads: int) -> dict | None:
+def run_fairseq(python: str, precision: str, repeats: int, threads: int, device: str = "cpu") -> dict | None:
     peer = Path(__file__).with_name("fairseq_peer.py")
     env = dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1", OMP_NUM_THREADS=str(threads))
     result = subprocess.run(
-        [python, str(peer), "--precision", precision, "--repeats", str(repeats), "--threads", str(threads)],
+        [python, str(peer), "--precision", precision, "--repeats", str(repeats), "--threads", str(threads),
+         "--device", device],
         capture_output=True, text=True, env=env,
     )
     if result.returncode != 0:
@@ -168,34 +172,37 @@ def main():
     parser.add_argument("--fairseq-python", default=os.environ.get("FAIRSEQ_PYTHON"))
     parser.add_argument("--force", choices=sorted(FORCING), default="no-eos",
                         help="how the HF models are held to exactly 30 new tokens (see FORCING)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    device = torch.device(args.device)
+    print(describe_device(device, args.threads), flush=True)
 
-    results = {}
+    results = {"device": describe_device(device, args.threads)}
     for precision in args.precision:
         # Training runs fp32 weights (+ autocast for bf16); inference casts the weights (NOTES: autocast re-casts
         # every decoding step).
-        ours, fsmt = build_ours(torch.float32), build_fsmt(torch.float32)
+        ours, fsmt = build_ours(torch.float32).to(device), build_fsmt(torch.float32).to(device)
         print(f"parameters: ours {count_trainable(ours):,}  FSMT {count_trainable(fsmt):,}", flush=True)
         # fp32: fairseq's repetitions interleave with ours and FSMT's (a server process); bf16: one separate run.
-        server = FairseqServer(args.fairseq_python, args.threads) if args.fairseq_python and precision == "fp32" else None
+        server = FairseqServer(args.fairseq_python, args.threads, args.device) if args.fairseq_python and precision == "fp32" else None
         peers = {"fairseq": server} if server is not None else {}
         train = interleaved(
-            {"ours": TrainStep(ours, "ours", precision), "fsmt": TrainStep(fsmt, "fsmt", precision)}
+            {"ours": TrainStep(ours, "ours", precision, device), "fsmt": TrainStep(fsmt, "fsmt", precision, device)}
             | {name: peer.task("train") for name, peer in peers.items()},
             args.repeats,
         )
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         ours, fsmt = ours.to(dtype), fsmt.to(dtype)
         greedy = interleaved(
-            {"ours": generate_fn(ours, 1, args.force), "fsmt": generate_fn(fsmt, 1, args.force)}
+            {"ours": generate_fn(ours, 1, args.force, device), "fsmt": generate_fn(fsmt, 1, args.force, device)}
             | {name: peer.task("greedy") for name, peer in peers.items()},
             args.repeats,
         )
         beam = interleaved(
-            {"ours": generate_fn(ours, 5, args.force), "fsmt": generate_fn(fsmt, 5, args.force)}
+            {"ours": generate_fn(ours, 5, args.force, device), "fsmt": generate_fn(fsmt, 5, args.force, device)}
             | {name: peer.task("beam5") for name, peer in peers.items()},
             args.repeats,
         )
@@ -210,11 +217,11 @@ def main():
             for system in train
         }
         if args.fairseq_python and server is None:
-            peer = run_fairseq(args.fairseq_python, precision, args.repeats, args.threads)
+            peer = run_fairseq(args.fairseq_python, precision, args.repeats, args.threads, args.device)
             if peer is not None:
                 rows["fairseq"] = peer
         results[precision] = rows
-        print(f"\n[{precision}] {args.threads} threads, batch {BATCH} x {LENGTH}")
+        print(f"\n[{precision}] {describe_device(device, args.threads)}, batch {BATCH} x {LENGTH}")
         print(f"{'system':10s} {'train tok/s':>12s} {'greedy sent/s':>14s} {'beam-5 sent/s':>14s}")
         for system, row in rows.items():
             print(f"{system:10s} {row['train_tok_s']:12.0f} {row['greedy_sent_s']:14.1f} {row['beam5_sent_s']:14.2f}")

@@ -1,6 +1,7 @@
 """Depth-Adaptive early-exit decoding speed against full-depth decoding of the same model.
 
     flock -x /tmp/flexformers-cpu.lock python benchmarks/bench_depth_adaptive.py [--repeats 3] [--out FILE]
+    python benchmarks/bench_depth_adaptive.py --device cuda   # on a GPU: each timer synchronises the device
 
 The paper's IWSLT architecture (``depth_adaptive_iwslt_de_en``: d_enc 512, d_dec 256, FFN 1024, 4 heads, N = 6,
 six untied classifiers over a 10152-token vocabulary), random weights. Every run decodes exactly ``--steps`` tokens
@@ -45,6 +46,9 @@ from configuration.configuration_flexformer import FlexformerConfig  # noqa: E40
 from modeling.modeling_depth_adaptive import DepthAdaptiveForConditionalGeneration  # noqa: E402
 from modeling.modeling_flexformer import FlexformerForConditionalGeneration, padding_mask  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import describe_device, synchronize  # noqa: E402
+
 VOCAB = 10152
 PAD = 1
 
@@ -57,8 +61,10 @@ class ForwardTimer:
         original = model.forward
 
         def timed(*args, **kwargs):
+            synchronize()
             start = time.perf_counter()
             output = original(*args, **kwargs)
+            synchronize()
             self.seconds += time.perf_counter() - start
             return output
 
@@ -105,7 +111,7 @@ def build_models(dtype: torch.dtype, seed: int = 0):
 def calibrate(model, source, exit_fraction: float) -> list[float]:
     """Set the geometric-like biases so that ``exit_fraction`` of the states reaching each block exit there, and
     return confidence thresholds with the same property (quantiles on teacher-forced random targets)."""
-    target = torch.randint(4, VOCAB, (source.shape[0], 30))
+    target = torch.randint(4, VOCAB, (source.shape[0], 30)).to(source.device)
     decoder = model.model.decoder
     encoder_states = model.get_encoder()(input_ids=source).last_hidden_state
     layer_kwargs = {
@@ -113,7 +119,7 @@ def calibrate(model, source, exit_fraction: float) -> list[float]:
         "encoder_hidden_states": encoder_states,
         "encoder_attention_mask": padding_mask(source.ne(PAD).long(), encoder_states.dtype),
     }
-    decoder_input = torch.cat([torch.full((source.shape[0], 1), 2), target[:, :-1]], dim=1)
+    decoder_input = torch.cat([torch.full((source.shape[0], 1), 2, device=source.device), target[:, :-1]], dim=1)
     states, _, _ = decoder.forward_layerwise(decoder.embed(decoder_input), layer_kwargs, keep_states=True)
     thresholds = []
     for block in range(1, model.num_exits):
@@ -137,9 +143,11 @@ class ClassifierTimer:
             self.handles.append(module.register_forward_hook(self._after))
 
     def _before(self, module, inputs):
+        synchronize()
         self._start = time.perf_counter()
 
     def _after(self, module, inputs, output):
+        synchronize()
         self.seconds += time.perf_counter() - self._start
 
     def remove(self):
@@ -159,9 +167,11 @@ def run_case(model, batches, beams: int, steps: int, settings: dict, counter: Ex
     generate_seconds = 0.0
     try:
         for source in batches:
+            synchronize()
             start = time.perf_counter()
             model.generate(source, attention_mask=source.ne(PAD).long(), num_beams=beams, max_new_tokens=steps,
                            min_new_tokens=steps, early_stopping=False, do_sample=False, **settings)
+            synchronize()
             generate_seconds += time.perf_counter() - start
     finally:
         del model.forward  # back to the class method
@@ -209,16 +219,19 @@ def main(argv=None):
     parser.add_argument("--sentences_batch1", type=int, default=4, help="Sentences decoded one at a time.")
     parser.add_argument("--batches_batch32", type=int, default=1, help="Batches of 32 sentences.")
     parser.add_argument("--exit_fraction", type=float, default=0.7)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--out", default=None, help="Write the results as JSON here.")
     parser.add_argument("--count_ops", action="store_true",
                         help="Instead of timing, count the ATen operators per decoding step of each case.")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    model, baseline = build_models(dtype)
+    device = torch.device(args.device)
+    model, baseline = (m.to(device) for m in build_models(dtype))
     generator = torch.Generator().manual_seed(1)
     sources = torch.randint(4, VOCAB, (32 * args.batches_batch32, args.source_length), generator=generator)
     sources[:, -1] = 2
+    sources = sources.to(device)
     thresholds = calibrate(model, sources[:32], args.exit_fraction)
     geometric_thresholds = [0.5] * (model.num_exits - 1)
     counter = ExitCounter(model.model.decoder)
@@ -272,7 +285,7 @@ def main(argv=None):
             })
         results.extend(rows)
         print(json.dumps(rows), flush=True)
-    print(f"\n{args.dtype}, {args.threads} threads, {args.steps} steps per hypothesis, source length "
+    print(f"\n{args.dtype}, {describe_device(device, args.threads)}, {args.steps} steps per hypothesis, source length "
           f"{args.source_length}, median of {args.repeats} interleaved repetitions")
     print("| batch | beam | strategy | AE | decoder s | × full depth | w/o output classifier: × full depth | generate s |")
     print("|---|---|---|---|---|---|---|---|")
@@ -281,7 +294,8 @@ def main(argv=None):
               f"{row['decoder_seconds']:.3f} | {row['decoder_ratio_vs_full']:.2f} | "
               f"{row['without_classifier_ratio_vs_full']:.2f} | {row['generate_seconds']:.3f} |")
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
+        Path(args.out).write_text(json.dumps({"args": vars(args), "device": describe_device(device, args.threads),
+                                              "results": results}, indent=2) + "\n")
     return results
 
 

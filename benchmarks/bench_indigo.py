@@ -11,6 +11,7 @@ source and target tokens, random weights:
 Timings are interleaved and the median of `--repeats` is reported. Run under the exclusive CPU lock:
 
     flock -x /tmp/flexformers-cpu.lock python benchmarks/bench_indigo.py [--repeats 3] [--precision fp32 bf16]
+    python benchmarks/bench_indigo.py --device cuda      # on a GPU (timed calls end synchronised)
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from modeling.modeling_indigo import InDIGOForConditionalGeneration  # noqa: E40
 from training_scripts.indigo_orders import InDIGODataCollator  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import interleaved  # noqa: E402
+from timing import autocast, describe_device, interleaved  # noqa: E402
 
 VOCAB = 10152
 
@@ -61,10 +62,11 @@ def greedy_fn(model, source, length):
 
 def train_fn(model, batch: dict, precision: str):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    device = next(model.parameters()).device
 
     def run():
         model.train()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with autocast(device, precision == "bf16"):
             loss = model(**batch).loss
         loss.backward()
         optimizer.step()
@@ -74,9 +76,11 @@ def train_fn(model, batch: dict, precision: str):
 
 
 def search_fn(model, batch: dict, beams: int, precision: str):
+    device = next(model.parameters()).device
+
     def run():
         model.train()
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with torch.no_grad(), autocast(device, precision == "bf16"):
             mask = batch["attention_mask"]
             encoder = model.model.encoder(batch["input_ids"], attention_mask=mask).last_hidden_state
             model.search_adaptive_orders(encoder, mask, batch["target_ids"], batch["target_lengths"], beam_size=beams)
@@ -93,10 +97,13 @@ def main():
     parser.add_argument("--sao-beam", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-train", action="store_true")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    device = torch.device(args.device)
+    print(describe_device(device, args.threads), flush=True)
     common = dict(vocab_size=VOCAB, label_smoothing=0.1)
     baseline_config = FlexformerConfig.from_preset("transformer_iwslt_de_en", **common)
     indigo_config = InDIGOConfig.from_preset("transformer_iwslt_de_en", **common)
@@ -104,11 +111,14 @@ def main():
     features = [{"input_ids": s.tolist(), "labels": t.tolist()} for s, t in zip(source, target)]
     l2r_batch = InDIGODataCollator(order="l2r", pad_to_multiple_of=None)(features)
     sao_batch = InDIGODataCollator(order="sao", pad_to_multiple_of=None)(features)
-    results = {"batch": args.batch, "length": args.length, "threads": args.threads, "sao_beam": args.sao_beam}
+    l2r_batch, sao_batch = ({k: v.to(device) for k, v in b.items()} for b in (l2r_batch, sao_batch))
+    source, target = source.to(device), target.to(device)
+    results = {"batch": args.batch, "length": args.length, "threads": args.threads, "sao_beam": args.sao_beam,
+               "device": describe_device(device, args.threads)}
     for precision in args.precision:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        baseline = FlexformerForConditionalGeneration(baseline_config)
-        indigo = InDIGOForConditionalGeneration(indigo_config)
+        baseline = FlexformerForConditionalGeneration(baseline_config).to(device)
+        indigo = InDIGOForConditionalGeneration(indigo_config).to(device)
         row = {
             "params_baseline": sum(p.numel() for p in baseline.parameters()),
             "params_indigo": sum(p.numel() for p in indigo.parameters()),
@@ -124,9 +134,9 @@ def main():
         row["greedy_ratio"] = decode["indigo"] / decode["baseline"]
         if not args.skip_train:
             baseline, indigo = baseline.float(), indigo.float()
-            sao_all = InDIGOForConditionalGeneration(indigo_config)
+            sao_all = InDIGOForConditionalGeneration(indigo_config).to(device)
             sao_all.use_searched_orders, sao_all.sao_beam_size = True, args.sao_beam
-            sao_best = InDIGOForConditionalGeneration(indigo_config)
+            sao_best = InDIGOForConditionalGeneration(indigo_config).to(device)
             sao_best.use_searched_orders, sao_best.sao_beam_size, sao_best.sao_train_orders = True, args.sao_beam, 1
             baseline_batch = {"input_ids": source, "labels": target}
             train = interleaved(

@@ -13,6 +13,7 @@ source and target tokens, as `bench_backbone.py`:
 Measurements are interleaved (baseline, IOT, baseline, IOT, …) and the median is reported.
 
     flock -x /tmp/flexformers-cpu.lock python benchmarks/bench_iot.py [--repeats 5] [--precision fp32 bf16]
+    python benchmarks/bench_iot.py --device cuda      # on a GPU (timed calls end synchronised)
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from modeling.modeling_flexformer import FlexformerForConditionalGeneration  # n
 from modeling.modeling_iot import IOTForConditionalGeneration  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import interleaved  # noqa: E402
+from timing import autocast, describe_device, interleaved  # noqa: E402
 
 VOCAB, BATCH, LENGTH = 10152, 32, 30
 
@@ -60,13 +61,13 @@ def make_batch(seed=0):
 
 
 class TrainStep:
-    def __init__(self, model, precision):
-        self.model, self.precision = model.train(), precision
+    def __init__(self, model, precision, device):
+        self.model, self.precision, self.device = model.to(device).train(), precision, device
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        self.source, self.labels = make_batch()
+        self.source, self.labels = (t.to(device) for t in make_batch())
 
     def __call__(self):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.precision == "bf16"):
+        with autocast(self.device, self.precision == "bf16"):
             loss = self.model(input_ids=self.source, labels=self.labels).loss
         loss.backward()
         self.optimizer.step()
@@ -80,14 +81,14 @@ def force_even_order_mix(model: IOTForConditionalGeneration, num_orders: int):
     def encode_with_orders(input_ids, attention_mask=None, **kwargs):
         outputs = original(input_ids, attention_mask, **kwargs)
         if kwargs.get("decoder_order") is None:
-            outputs["decoder_order_index"] = torch.arange(input_ids.shape[0]) % num_orders
+            outputs["decoder_order_index"] = torch.arange(input_ids.shape[0], device=input_ids.device) % num_orders
         return outputs
 
     model.encode_with_orders = encode_with_orders
 
 
-def generate_fn(model, num_beams, check_mix=None):
-    source, _ = make_batch(1)
+def generate_fn(model, num_beams, check_mix=None, device="cpu"):
+    source = make_batch(1)[0].to(device)
     model = model.eval()
 
     def run():
@@ -113,19 +114,23 @@ def main():
     parser.add_argument("--sequential_orders", nargs="*", type=int, default=None,
                         help="N values that also get the one-pass-per-path row (default: all of --orders)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["train", "sequential", "generate"])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    results = {"preset": args.preset, "batch": BATCH, "length": LENGTH, "threads": args.threads, "rows": []}
+    device = torch.device(args.device)
+    print(describe_device(device, args.threads), flush=True)
+    results = {"preset": args.preset, "batch": BATCH, "length": LENGTH, "threads": args.threads, "rows": [],
+               "device": describe_device(device, args.threads)}
     for precision in args.precision:
         dtype = torch.float32
         if "train" not in args.skip:
-            steps = {"baseline": TrainStep(build_baseline(dtype, args.preset), precision)}
+            steps = {"baseline": TrainStep(build_baseline(dtype, args.preset), precision, device)}
             for n in args.orders:
-                steps[f"iot_n{n}"] = TrainStep(build_iot(dtype, args.preset, n), precision)
+                steps[f"iot_n{n}"] = TrainStep(build_iot(dtype, args.preset, n), precision, device)
                 if "sequential" not in args.skip and (args.sequential_orders is None or n in args.sequential_orders):
-                    steps[f"iot_n{n}_sequential"] = TrainStep(build_iot(dtype, args.preset, n, False), precision)
+                    steps[f"iot_n{n}_sequential"] = TrainStep(build_iot(dtype, args.preset, n, False), precision, device)
             times = interleaved(steps, args.repeats)
             for name, seconds in times.items():
                 row = {
@@ -138,14 +143,14 @@ def main():
             del steps
         if "generate" not in args.skip:
             gen_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-            baseline = build_baseline(gen_dtype, args.preset).eval()
-            iot = build_iot(gen_dtype, args.preset, 4).eval()
+            baseline = build_baseline(gen_dtype, args.preset).to(device).eval()
+            iot = build_iot(gen_dtype, args.preset, 4).to(device).eval()
             force_even_order_mix(iot, 4)
             for beams in (1, 5):
                 times = interleaved(
                     {
-                        "baseline": generate_fn(baseline, beams),
-                        "iot_n4_mixed": generate_fn(iot, beams, check_mix=[1, 2, 4, 6]),
+                        "baseline": generate_fn(baseline, beams, device=device),
+                        "iot_n4_mixed": generate_fn(iot, beams, check_mix=[1, 2, 4, 6], device=device),
                     },
                     args.repeats,
                 )

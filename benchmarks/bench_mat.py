@@ -47,7 +47,7 @@ from modeling.modeling_mat import (  # noqa: E402
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import interleaved  # noqa: E402
+from timing import autocast, describe_device, interleaved  # noqa: E402
 
 VOCAB = 10152
 
@@ -138,7 +138,7 @@ def training_step(model, batch, precision: str):
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98))
 
     def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with autocast(input_ids.device, precision == "bf16"):
             loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
         loss.backward()
         optimizer.step()
@@ -210,18 +210,21 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=3, help="timed generate() calls per model (median)")
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--drop_branch_rate", type=float, default=0.2)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (timed calls end synchronised)")
     parser.add_argument("--output", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
 
-    models = build_models(args.drop_branch_rate)
-    batch = make_batch(args.batch_size, args.source_length, args.target_length)
+    models = {name: model.to(device) for name, model in build_models(args.drop_branch_rate).items()}
+    batch = tuple(t.to(device) for t in make_batch(args.batch_size, args.source_length, args.target_length))
     max_difference, same_beams = check_loop_matches_fused(models, batch)
     results = {
         "setting": {
             "threads": args.threads, "batch_size": args.batch_size, "source_length": args.source_length,
             "target_length": args.target_length, "vocab_size": VOCAB, "torch": torch.__version__,
             "cpu": platform.processor() or platform.machine(), "drop_branch_rate": args.drop_branch_rate,
+            "device": describe_device(device, args.threads),
         },
         "parameters": {name: model.num_parameters() for name, model in models.items()},
         "loop_vs_fused_max_abs_logit_difference": max_difference,

@@ -34,6 +34,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--serve", action="store_true", help="one repetition per stdin command (fp32)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (every timed call ends synchronised)")
     cli = parser.parse_args()
     if cli.serve and cli.precision != "fp32":
         parser.error("--serve runs fp32 only")
@@ -51,7 +52,8 @@ def main():
          "--dropout", "0.3", "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"],
     )
     task = types.SimpleNamespace(source_dictionary=dictionary, target_dictionary=dictionary)
-    model = TransformerModel.build_model(args, task)
+    device = torch.device(cli.device)
+    model = TransformerModel.build_model(args, task).to(device)
     parameters = sum(p.numel() for p in model.parameters())
 
     generator = torch.Generator().manual_seed(0)
@@ -61,11 +63,12 @@ def main():
     target[:, -1] = dictionary.eos()
     previous = torch.cat([torch.full((BATCH, 1), dictionary.eos()), target[:, :-1]], dim=1)
     lengths = torch.full((BATCH,), LENGTH)
+    source, target, previous, lengths = (t.to(device) for t in (source, target, previous, lengths))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def train_step():
         model.train()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cli.precision == "bf16"):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cli.precision == "bf16"):
             net_output = model(source, lengths, previous)
             log_probs = model.get_normalized_probs(net_output, log_probs=True).float()
             loss, _ = label_smoothed_nll_loss(
@@ -79,8 +82,10 @@ def main():
         fn()
         times = []
         for _ in range(repeats):
+            synchronize()
             start = time.perf_counter()
             fn()
+            synchronize()
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
@@ -130,9 +135,16 @@ def serve(train_step, generate):
         command = line.strip()
         if command == "quit":
             return
+        synchronize()
         start = time.perf_counter()
         tasks[command]()
+        synchronize()
         print(f"{time.perf_counter() - start:.6f}", flush=True)
+
+
+def synchronize():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def input_line():

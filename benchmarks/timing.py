@@ -1,4 +1,7 @@
-"""Side-by-side timing shared by the benchmark scripts: interleaved rounds, median seconds."""
+"""Side-by-side timing shared by the benchmark scripts: interleaved rounds, median seconds.
+
+GPU work is asynchronous: every timed call is bracketed by `synchronize()`, so a call's seconds include the
+device work it queued (and none of the previous call's)."""
 
 from __future__ import annotations
 
@@ -6,11 +9,21 @@ import statistics
 import time
 from collections.abc import Callable
 
+import torch
+
+
+def synchronize() -> None:
+    """Wait for the queued CUDA work (a no-op on CPU-only runs)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
 
 def timed(fn: Callable[[], object]) -> float:
     """Seconds of one call; a function that measures itself (e.g. the fairseq server) returns its own seconds."""
+    synchronize()
     start = time.perf_counter()
     reported = fn()
+    synchronize()
     return reported if isinstance(reported, float) else time.perf_counter() - start
 
 
@@ -25,3 +38,16 @@ def interleaved(functions: dict[str, Callable[[], object]], repeats: int, warmup
         for name, fn in functions.items():
             times[name].append(timed(fn))
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def autocast(device: torch.device | str, enabled: bool):
+    """bf16 autocast on the device the model runs on."""
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=enabled)
+
+
+def describe_device(device: torch.device | str, threads: int) -> str:
+    """One line naming where the numbers were taken (GPU name, or CPU threads)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    return f"CPU, {threads} threads, torch {torch.__version__}"

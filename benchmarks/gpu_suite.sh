@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The GPU rows of docs/BENCHMARKS.md in one go, on a machine with a CUDA GPU and PyTorch but no network.
+#
+#     bash benchmarks/gpu_suite.sh [check] [backbone] [indigo] [depth_adaptive] [iot] [mat]   (default: all)
+#
+# Wheels for what the machine lacks are read from .whl/ (transformers of setup.cfg's version; for the fairseq
+# peer fairseq-fixed==0.12.3.1, hydra-core, omegaconf, antlr4-python3-runtime 4.9.3, bitarray — see
+# docs/BENCHMARKS.md). Logs and JSON go to $OUT (default ./gpu-results).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-results}
+mkdir -p "$OUT"
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(check backbone indigo depth_adaptive iot mat)
+
+if ls .whl/transformers-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/transformers-*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+FAIRSEQ_ARGS=()
+if ls .whl/fairseq*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fairseq-site \
+        .whl/fairseq*.whl .whl/hydra*.whl .whl/omegaconf*.whl .whl/antlr4*.whl .whl/bitarray*.whl || exit 1
+    printf '#!/bin/sh\nPYTHONPATH=/tmp/fairseq-site exec python3 "$@"\n' > /tmp/fairseq-python
+    chmod +x /tmp/fairseq-python
+    FAIRSEQ_ARGS=(--fairseq-python /tmp/fairseq-python)
+fi
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+} 2>&1 | tee "$OUT/environment.txt"
+
+run() {  # run NAME TIMEOUT COMMAND...: log to $OUT/NAME.log, keep going on failure
+    local name=$1 limit=$2; shift 2
+    echo "=== $name: $*"
+    local start=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local status=$?
+    echo "=== $name: exit $status after $((SECONDS - start)) s"
+    grep -v -i warn "$OUT/$name.log" | tail -n 40
+}
+
+for part in "${parts[@]}"; do
+    case $part in
+        check) run check 240 python3 benchmarks/check_device.py --device cuda ;;
+        backbone) run backbone 300 python3 benchmarks/bench_backbone.py --device cuda --repeats 10 \
+            --precision fp32 bf16 "${FAIRSEQ_ARGS[@]}" --json "$OUT/backbone.json" ;;
+        indigo) run indigo 240 python3 benchmarks/bench_indigo.py --device cuda --repeats 5 --precision fp32 bf16 \
+            --json "$OUT/indigo.json" ;;
+        depth_adaptive) run depth_adaptive 240 python3 benchmarks/bench_depth_adaptive.py --device cuda --repeats 5 \
+            --out "$OUT/depth_adaptive.json" ;;
+        iot) run iot 240 python3 benchmarks/bench_iot.py --device cuda --repeats 10 --precision fp32 bf16 \
+            --json "$OUT/iot.json" ;;
+        mat) run mat 240 python3 benchmarks/bench_mat.py --device cuda --train_steps 10 --repeats 5 \
+            --output "$OUT/mat.json" ;;
+        *) echo "unknown part $part"; exit 2 ;;
+    esac
+done
