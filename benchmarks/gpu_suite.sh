@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # The GPU rows of docs/BENCHMARKS.md in one go, on a machine with a CUDA GPU and PyTorch but no network.
 #
-#     bash benchmarks/gpu_suite.sh [check] [backbone] [indigo] [depth_adaptive] [iot] [mat]   (default: all)
+#     bash benchmarks/gpu_suite.sh [check] [backbone] [profile] [indigo] [depth_adaptive] [iot] [mat]  (default: all)
 #
 # Wheels for what the machine lacks are read from .whl/ (transformers of setup.cfg's version; for the fairseq
 # peer fairseq-fixed==0.12.3.1, hydra-core, omegaconf, antlr4-python3-runtime 4.9.3, bitarray — see
-# docs/BENCHMARKS.md). Logs and JSON go to $OUT (default ./gpu-results).
+# docs/BENCHMARKS.md). Logs and JSON are written to a results folder and packed into $OUT/gpu-results.tar.gz
+# (default OUT: the repository root).
 set -u
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu-results}
+PACK=${OUT:-$PWD}
+OUT=$(mktemp -d)/gpu-results
 mkdir -p "$OUT"
+trap 'tar -czf "$PACK/gpu-results.tar.gz" -C "$(dirname "$OUT")" gpu-results' EXIT
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(check backbone indigo depth_adaptive iot mat)
+[ ${#parts[@]} -eq 0 ] && parts=(check backbone profile indigo depth_adaptive iot mat)
 
 if ls .whl/transformers-*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -39,7 +42,7 @@ run() {  # run NAME TIMEOUT COMMAND...: log to $OUT/NAME.log, keep going on fail
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     local status=$?
     echo "=== $name: exit $status after $((SECONDS - start)) s"
-    grep -v -i warn "$OUT/$name.log" | tail -n 40
+    grep -v -i -E "warn|max_new_tokens" "$OUT/$name.log" | grep -v "^ *$" | tail -n "${TAIL_LINES:-40}"
 }
 
 for part in "${parts[@]}"; do
@@ -47,6 +50,7 @@ for part in "${parts[@]}"; do
         check) run check 240 python3 benchmarks/check_device.py --device cuda ;;
         backbone) run backbone 300 python3 benchmarks/bench_backbone.py --device cuda --repeats 10 \
             --precision fp32 bf16 "${FAIRSEQ_ARGS[@]}" --json "$OUT/backbone.json" ;;
+        profile) run profile 200 python3 benchmarks/profile_backbone.py --device cuda --top 25 ;;
         indigo) run indigo 240 python3 benchmarks/bench_indigo.py --device cuda --repeats 5 --precision fp32 bf16 \
             --json "$OUT/indigo.json" ;;
         depth_adaptive) run depth_adaptive 240 python3 benchmarks/bench_depth_adaptive.py --device cuda --repeats 5 \
