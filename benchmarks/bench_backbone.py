@@ -124,11 +124,11 @@ class FairseqServer:
     """fairseq in its own venv (`fairseq_peer.py --serve`), driven one repetition at a time so its repetitions
     interleave with ours and FSMT's; each task returns the seconds fairseq measured for it."""
 
-    def __init__(self, python: str, threads: int, device: str = "cpu"):
+    def __init__(self, python: str, threads: int, device: str = "cpu", batch: int = BATCH):
         peer = Path(__file__).with_name("fairseq_peer.py")
         env = dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1", OMP_NUM_THREADS=str(threads))
         self.process = subprocess.Popen(
-            [python, str(peer), "--serve", "--threads", str(threads), "--device", device],
+            [python, str(peer), "--serve", "--threads", str(threads), "--device", device, "--batch", str(batch)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
         )
         for line in self.process.stdout:
@@ -150,12 +150,13 @@ class FairseqServer:
         self.process.wait()
 
 
-def run_fairseq(python: str, precision: str, repeats: int, threads: int, device: str = "cpu") -> dict | None:
+def run_fairseq(python: str, precision: str, repeats: int, threads: int, device: str = "cpu",
+                batch: int = BATCH) -> dict | None:
     peer = Path(__file__).with_name("fairseq_peer.py")
     env = dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1", OMP_NUM_THREADS=str(threads))
     result = subprocess.run(
         [python, str(peer), "--precision", precision, "--repeats", str(repeats), "--threads", str(threads),
-         "--device", device],
+         "--device", device, "--batch", str(batch)],
         capture_output=True, text=True, env=env,
     )
     if result.returncode != 0:
@@ -165,6 +166,7 @@ def run_fairseq(python: str, precision: str, repeats: int, threads: int, device:
 
 
 def main():
+    global BATCH  # --batch
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
@@ -173,8 +175,13 @@ def main():
     parser.add_argument("--force", choices=sorted(FORCING), default="no-eos",
                         help="how the HF models are held to exactly 30 new tokens (see FORCING)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--batch", type=int, default=BATCH, help="sentences per batch (the issue's setting: 32)")
+    parser.add_argument("--schedule", choices=["interleaved", "blocked"], default="interleaved",
+                        help="blocked: all repetitions of one system, then the next (fairseq as a separate run)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    BATCH = args.batch
+    blocked = args.schedule == "blocked"
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     device = torch.device(args.device)
@@ -187,24 +194,25 @@ def main():
         ours, fsmt = build_ours(torch.float32).to(device), build_fsmt(torch.float32).to(device)
         print(f"parameters: ours {count_trainable(ours):,}  FSMT {count_trainable(fsmt):,}", flush=True)
         # fp32: fairseq's repetitions interleave with ours and FSMT's (a server process); bf16: one separate run.
-        server = FairseqServer(args.fairseq_python, args.threads, args.device) if args.fairseq_python and precision == "fp32" else None
+        interleave_fairseq = args.fairseq_python and precision == "fp32" and not blocked
+        server = FairseqServer(args.fairseq_python, args.threads, args.device, BATCH) if interleave_fairseq else None
         peers = {"fairseq": server} if server is not None else {}
         train = interleaved(
             {"ours": TrainStep(ours, "ours", precision, device), "fsmt": TrainStep(fsmt, "fsmt", precision, device)}
             | {name: peer.task("train") for name, peer in peers.items()},
-            args.repeats,
+            args.repeats, blocked=blocked,
         )
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         ours, fsmt = ours.to(dtype), fsmt.to(dtype)
         greedy = interleaved(
             {"ours": generate_fn(ours, 1, args.force, device), "fsmt": generate_fn(fsmt, 1, args.force, device)}
             | {name: peer.task("greedy") for name, peer in peers.items()},
-            args.repeats,
+            args.repeats, blocked=blocked,
         )
         beam = interleaved(
             {"ours": generate_fn(ours, 5, args.force, device), "fsmt": generate_fn(fsmt, 5, args.force, device)}
             | {name: peer.task("beam5") for name, peer in peers.items()},
-            args.repeats,
+            args.repeats, blocked=blocked,
         )
         if server is not None:
             server.close()
@@ -217,7 +225,7 @@ def main():
             for system in train
         }
         if args.fairseq_python and server is None:
-            peer = run_fairseq(args.fairseq_python, precision, args.repeats, args.threads, args.device)
+            peer = run_fairseq(args.fairseq_python, precision, args.repeats, args.threads, args.device, BATCH)
             if peer is not None:
                 rows["fairseq"] = peer
         results[precision] = rows

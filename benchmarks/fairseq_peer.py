@@ -29,13 +29,16 @@ VOCAB, BATCH, LENGTH = 10152, 32, 30
 
 
 def main():
+    global BATCH  # --batch
     parser = argparse.ArgumentParser()
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--serve", action="store_true", help="one repetition per stdin command (fp32)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (every timed call ends synchronised)")
+    parser.add_argument("--batch", type=int, default=BATCH)
     cli = parser.parse_args()
+    BATCH = cli.batch
     if cli.serve and cli.precision != "fp32":
         parser.error("--serve runs fp32 only")
     torch.set_num_threads(cli.threads)

@@ -2,6 +2,7 @@
 # The GPU rows of docs/BENCHMARKS.md in one go, on a machine with a CUDA GPU and PyTorch but no network.
 #
 #     bash benchmarks/gpu_suite.sh [check] [backbone] [profile] [indigo] [depth_adaptive] [iot] [mat]  (default: all)
+#                                  [backbone_blocked] [backbone_b256]   (schedule and batch-size checks)
 #
 # Wheels for what the machine lacks are read from .whl/ (transformers of setup.cfg's version; for the fairseq
 # peer fairseq-fixed==0.12.3.1, hydra-core, omegaconf, antlr4-python3-runtime 4.9.3, bitarray — see
@@ -50,6 +51,10 @@ for part in "${parts[@]}"; do
         check) run check 240 python3 benchmarks/check_device.py --device cuda ;;
         backbone) run backbone 300 python3 benchmarks/bench_backbone.py --device cuda --repeats 10 \
             --precision fp32 bf16 "${FAIRSEQ_ARGS[@]}" --json "$OUT/backbone.json" ;;
+        backbone_blocked) run backbone_blocked 300 python3 benchmarks/bench_backbone.py --device cuda --repeats 10 \
+            --schedule blocked "${FAIRSEQ_ARGS[@]}" --json "$OUT/backbone_blocked.json" ;;
+        backbone_b256) run backbone_b256 300 python3 benchmarks/bench_backbone.py --device cuda --repeats 10 \
+            --batch 256 --precision fp32 bf16 "${FAIRSEQ_ARGS[@]}" --json "$OUT/backbone_b256.json" ;;
         profile) run profile 200 python3 benchmarks/profile_backbone.py --device cuda --top 25 ;;
         indigo) run indigo 240 python3 benchmarks/bench_indigo.py --device cuda --repeats 5 --precision fp32 bf16 \
             --json "$OUT/indigo.json" ;;

@@ -27,13 +27,23 @@ def timed(fn: Callable[[], object]) -> float:
     return reported if isinstance(reported, float) else time.perf_counter() - start
 
 
-def interleaved(functions: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
+def interleaved(
+    functions: dict[str, Callable[[], object]], repeats: int, warmup: int = 1, blocked: bool = False
+) -> dict[str, float]:
     """Median seconds of each function, timed in interleaved rounds (one call of each per round) so that load
-    drifting on a shared machine affects every compared system alike."""
+    drifting on a shared machine affects every compared system alike. ``blocked=True`` times all repetitions of
+    one function before the next (warm-up included) — a check on whether alternating systems costs any of them
+    (caches, allocator state), not the default."""
+    times = {name: [] for name in functions}
+    if blocked:
+        for name, fn in functions.items():
+            for _ in range(warmup):
+                fn()
+            times[name] = [timed(fn) for _ in range(repeats)]
+        return {name: statistics.median(values) for name, values in times.items()}
     for fn in functions.values():
         for _ in range(warmup):
             fn()
-    times = {name: [] for name in functions}
     for _ in range(repeats):
         for name, fn in functions.items():
             times[name].append(timed(fn))
