@@ -55,7 +55,7 @@ for part in "${parts[@]}"; do
             --schedule blocked "${FAIRSEQ_ARGS[@]}" --json "$OUT/backbone_blocked.json" ;;
         backbone_b256) run backbone_b256 300 python3 benchmarks/bench_backbone.py --device cuda --repeats 10 \
             --batch 256 --precision fp32 bf16 "${FAIRSEQ_ARGS[@]}" --json "$OUT/backbone_b256.json" ;;
-        profile) run profile 200 python3 benchmarks/profile_backbone.py --device cuda --top 25 ;;
+        profile) run profile 200 python3 benchmarks/profile_backbone.py --device cuda --top 25 --repeats 10 ;;
         indigo) run indigo 240 python3 benchmarks/bench_indigo.py --device cuda --repeats 5 --precision fp32 bf16 \
             --json "$OUT/indigo.json" ;;
         depth_adaptive) run depth_adaptive 240 python3 benchmarks/bench_depth_adaptive.py --device cuda --repeats 5 \

@@ -1,7 +1,7 @@
 """Where a step's time goes, ours vs FSMT, on any device: operator counts and self times from torch.profiler.
 
 Same models and shapes as `bench_backbone.py` (IWSLT dims, vocab 10152, batch 32 × 30). For each system and task
-(train step, greedy, beam 5) one warmed-up call is profiled; printed: wall seconds, operator calls, CUDA kernel
+(train step, greedy, beam 5) `--repeats` warmed-up calls are timed and one more is profiled; printed: wall seconds, operator calls, CUDA kernel
 launches (on a GPU) and the operators with the most self CPU time.
 
     python benchmarks/profile_backbone.py [--device cuda] [--top 15] [--tasks train greedy beam5]
@@ -10,6 +10,7 @@ launches (on a GPU) and the operators with the most self CPU time.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls before the profiled one (median)")
     parser.add_argument("--tasks", nargs="+", default=["train", "greedy", "beam5"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -40,19 +42,25 @@ def main():
             else:
                 fn = generate_fn(model, 1 if task == "greedy" else 5, "no-eos", device)
             fn(), fn()
-            synchronize()
-            start = time.perf_counter()
-            fn()
-            synchronize()
-            wall = time.perf_counter() - start
+            walls = []
+            for _ in range(args.repeats):
+                synchronize()
+                start = time.perf_counter()
+                fn()
+                synchronize()
+                walls.append(time.perf_counter() - start)
+            wall = statistics.median(walls)
             with profile(activities=activities) as prof:
                 fn()
                 synchronize()
             events = prof.key_averages()
             ops = sum(e.count for e in events if e.key.startswith("aten::"))
             launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
-            gpu = sum(e.self_device_time_total for e in events) / 1e6 if device.type == "cuda" else float("nan")
-            print(f"\n### {task} / {name}: wall {wall * 1000:.1f} ms, aten calls {ops}, kernel launches {launches}, "
+            # kernels only: an operator's self device time repeats the time of the kernels it launched
+            kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+            gpu = sum(e.self_device_time_total for e in kernels) / 1e6 if device.type == "cuda" else float("nan")
+            print(f"\n### {task} / {name}: wall {wall * 1000:.1f} ms (median of {args.repeats}; "
+                  f"{', '.join(f'{w * 1000:.0f}' for w in walls)}), aten calls {ops}, kernel launches {launches}, "
                   f"GPU busy {gpu * 1000:.1f} ms", flush=True)
             print(events.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=45))
             if task == "train":
