@@ -674,6 +674,18 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
         finally:
             self.train(was_training)
 
+    def _reference_word_log_probs(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eq. 8's log-probabilities of the reference words ``targets`` ``[rows, T]`` and of ``<eod>`` at ``hidden``
+        ``[rows, d]`` — the only words the SAO search scores. No ``[rows, V]`` log-softmax: the logits are shifted,
+        gathered and exponentiated in place, so the step allocates one vocabulary-sized tensor instead of two.
+        Same values as ``log_softmax`` gathered, up to rounding."""
+        logits = self.word_logits(hidden).float()  # a fresh tensor: ours to overwrite
+        logits.sub_(logits.amax(-1, keepdim=True))
+        words = logits.gather(1, targets)
+        eod = logits[:, self.config.eod_token_id].clone()
+        normaliser = logits.exp_().sum(-1).log_()
+        return words - normaliser[:, None], eod - normaliser
+
     def _search_adaptive_orders(self, encoder_hidden_states, attention_mask, target_ids, target_lengths, beam_size):
         config = self.config
         batch, max_len = target_ids.shape
@@ -721,20 +733,14 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
         word_queries = self.get_decoder().embed_tokens(targets)  # [rows, T, d]
 
         for step in range(max_len + 1):
-            # Only the reference words' log-probs are needed: gather their logits, subtract the normaliser
-            # (cheaper than a full log_softmax over the vocabulary for batch x beam rows).
-            word_logits = self.word_logits(last).float()
-            normaliser = word_logits.logsumexp(-1)
+            candidate_word, eod_log_prob = self._reference_word_log_probs(last, targets)  # [rows, T], [rows]
             # Sentences whose words are all placed just now: add log p(<eod>) (Eq. 2) once.
             completing = lengths == step
-            finished_scores = torch.where(
-                completing, scores + word_logits[:, config.eod_token_id] - normaliser, finished_scores
-            )
+            finished_scores = torch.where(completing, scores + eod_log_prob, finished_scores)
             if step == max_len:
                 break
             active = lengths > step
             n = step + 2
-            candidate_word = word_logits.gather(1, targets) - normaliser[:, None]  # [rows, T]
             slot = self.split_query_slot_log_probs(
                 self.pointer_query_proj(last), word_queries, left_keys[:, :n], right_keys[:, :n]
             )  # [rows, T, 2n]

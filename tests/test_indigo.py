@@ -460,6 +460,16 @@ def test_split_pointer_query_equals_the_built_query(model):
     assert bool(torch.isinf(split[..., 0]).all()) and bool(torch.isinf(split[..., 6]).all())
 
 
+def test_search_word_log_probs_equal_the_gathered_log_softmax(model):
+    hidden = torch.randn(6, model.config.decoder_embed_dim) * 3
+    targets = torch.randint(4, model.config.vocab_size, (6, 5))
+    with torch.no_grad():
+        words, eod = model._reference_word_log_probs(hidden, targets)
+        log_probs = model.word_logits(hidden).float().log_softmax(-1)
+    assert torch.allclose(words, log_probs.gather(1, targets), atol=1e-5)
+    assert torch.allclose(eod, log_probs[:, model.config.eod_token_id], atol=1e-5)
+
+
 def test_sao_training_loss_averages_the_found_orders(source):
     torch.manual_seed(0)
     model = InDIGOForConditionalGeneration(tiny_config())
