@@ -1,0 +1,39 @@
+"""The benchmark tooling itself: the device check runs end to end (here CPU against CPU, so every check must pass
+exactly), and the shared timing helper times each function once per round in both schedules."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from timing import interleaved  # noqa: E402
+
+
+@pytest.mark.parametrize("blocked", [False, True])
+def test_interleaved_calls_every_function_warmup_plus_repeats_times(blocked):
+    calls = []
+    functions = {name: (lambda name=name: calls.append(name)) for name in ("a", "b")}
+    times = interleaved(functions, repeats=3, warmup=1, blocked=blocked)
+    assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
+    # warm-up, then: one call of each per round (interleaved), or all of one function before the next (blocked)
+    assert calls == (["a"] * 4 + ["b"] * 4 if blocked else ["a", "b"] * 4)
+
+
+def test_interleaved_takes_a_self_timed_function_at_its_word():
+    assert interleaved({"peer": lambda: 0.25}, repeats=3) == {"peer": 0.25}
+
+
+@pytest.mark.slow
+def test_check_device_passes_on_the_cpu():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "check_device.py"), "--device", "cpu"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "0 failed" in result.stdout and result.stdout.count("ok  ") == 24
