@@ -14,7 +14,7 @@ server process (`benchmarks/fairseq_peer.py --serve`) that runs one repetition p
 and thread count (bf16: one separate fairseq run after ours and FSMT's).
 
     python benchmarks/bench_backbone.py [--repeats 5] [--precision fp32 bf16] [--fairseq-python /path/python]
-                                        [--device cuda]
+                                        [--device cuda] [--batch 32] [--schedule interleaved|blocked]
 
 On a GPU (`--device cuda`) every timed call ends with a device synchronisation; fairseq runs on the same GPU.
 """
