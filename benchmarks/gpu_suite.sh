@@ -4,10 +4,17 @@
 #     bash benchmarks/gpu_suite.sh [check] [backbone] [profile] [indigo] [depth_adaptive] [iot] [mat]  (default: all)
 #                                  [backbone_blocked] [backbone_b256]   (schedule and batch-size checks)
 #
-# Wheels for what the machine lacks are read from .whl/ (transformers of setup.cfg's version; for the fairseq
-# peer fairseq-fixed==0.12.3.1, hydra-core, omegaconf, antlr4-python3-runtime 4.9.3, bitarray — see
-# docs/BENCHMARKS.md). Logs and JSON are written to a results folder and packed into $OUT/gpu-results.tar.gz
-# (default OUT: the repository root).
+# Wheels for what the machine lacks are read from .whl/ (keep it out of git). For a Python 3.12 x86-64 machine,
+# fetch them where pip has a network (antlr4 4.9.3 exists only as an sdist, so it is built locally):
+#
+#     P="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+#        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
+#     pip download --no-deps $P -d .whl transformers==5.23.0            # the image's transformers is older
+#     pip download --no-deps $P -d .whl fairseq-fixed==0.12.3.1 hydra-core==1.3.2 omegaconf==2.3.0 bitarray
+#     pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3          # the fairseq peer's needs
+#
+# Logs and JSON are written to a results folder and packed into $OUT/gpu-results.tar.gz (default OUT: the
+# repository root).
 set -u
 cd "$(dirname "$0")/.."
 PACK=${OUT:-$PWD}
