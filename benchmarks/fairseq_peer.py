@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 import types
 
 import torch
@@ -24,6 +22,9 @@ from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_l
 from fairseq.data import Dictionary
 from fairseq.models.transformer import TransformerModel
 from fairseq.sequence_generator import SequenceGenerator
+
+# run as a script from benchmarks/, so the shared timing helper (torch only) is importable in fairseq's venv
+from timing import interleaved, timed
 
 VOCAB, BATCH, LENGTH = 10152, 32, 30
 
@@ -81,26 +82,15 @@ def main():
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    def timed(fn, repeats):
-        fn()
-        times = []
-        for _ in range(repeats):
-            synchronize()
-            start = time.perf_counter()
-            fn()
-            synchronize()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
     if cli.serve:
         serve(train_step, generate_runner(model, dictionary, source, lengths))
         return
-    train_time = timed(train_step, cli.repeats)
+    train_time = median_seconds(train_step, cli.repeats)
     if cli.precision == "bf16":
         model = model.to(torch.bfloat16)
     generate = generate_runner(model, dictionary, source, lengths)
-    greedy_time = timed(generate(1), cli.repeats)
-    beam_time = timed(generate(5), max(2, cli.repeats // 2))
+    greedy_time = median_seconds(generate(1), cli.repeats)
+    beam_time = median_seconds(generate(5), max(2, cli.repeats // 2))
     print(json.dumps({
         "train_tok_s": BATCH * LENGTH / train_time,
         "greedy_sent_s": BATCH / greedy_time,
@@ -138,16 +128,12 @@ def serve(train_step, generate):
         command = line.strip()
         if command == "quit":
             return
-        synchronize()
-        start = time.perf_counter()
-        tasks[command]()
-        synchronize()
-        print(f"{time.perf_counter() - start:.6f}", flush=True)
+        print(f"{timed(tasks[command]):.6f}", flush=True)
 
 
-def synchronize():
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+def median_seconds(fn, repeats: int) -> float:
+    """One warm-up call, then the median of `repeats` timed calls."""
+    return interleaved({"fn": fn}, repeats)["fn"]
 
 
 def input_line():

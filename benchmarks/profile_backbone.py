@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -20,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_backbone import TrainStep, build_fsmt, build_ours, generate_fn  # noqa: E402
-from timing import synchronize  # noqa: E402
+from timing import synchronize, timed  # noqa: E402
 
 
 def main():
@@ -42,13 +41,7 @@ def main():
             else:
                 fn = generate_fn(model, 1 if task == "greedy" else 5, "no-eos", device)
             fn(), fn()
-            walls = []
-            for _ in range(args.repeats):
-                synchronize()
-                start = time.perf_counter()
-                fn()
-                synchronize()
-                walls.append(time.perf_counter() - start)
+            walls = [timed(fn) for _ in range(args.repeats)]
             wall = statistics.median(walls)
             with profile(activities=activities) as prof:
                 fn()
