@@ -347,6 +347,67 @@ class InsertionState:
             setattr(self, name, getattr(self, name).index_select(0, index))
 
 
+class ReferencePointerCache:
+    """The SAO search's pointer state (Eq. 9) for every hypothesis, split along Eq. 9's query ``h E + W[y]``.
+
+    The search only ever points with the reference words ``y_m`` of a sentence, so the word part ``W[y_m]·k`` of a
+    slot's logit is fixed once the key ``k`` exists: it is computed when the word is inserted (one product with the
+    sentence's ``T`` reference embeddings, shared by its beams) and kept. A step then adds the state part
+    ``(h E)·k`` — ``O(n·d)`` per hypothesis — to the kept ``[n, 2, T]`` word part, instead of scoring ``T`` full
+    queries against ``n`` keys (``O(T·n·d)``).
+
+    ``keys`` ``[rows, capacity, 2, d]`` (side 0: the left key ``h C``, side 1: the right key ``h D``) and
+    ``word_logits`` ``[rows, capacity, 2, T]`` (fp32; the left slot of ``<s>`` and the right slot of ``</s>`` are
+    ``-inf``, Eq. 9's mask). Rows are ``sentence * beams + beam``; :meth:`reorder` follows the beam selection.
+    """
+
+    def __init__(self, word_embeddings: torch.Tensor, beams: int, capacity: int, dtype: torch.dtype):
+        batch, words, dim = word_embeddings.shape
+        rows = batch * beams
+        self.beams = beams
+        self.length = 0
+        self._reference_embeddings = word_embeddings.to(dtype).transpose(1, 2)  # [batch, d, T]
+        self.keys = torch.zeros(rows, capacity, 2, dim, dtype=dtype, device=word_embeddings.device)
+        self.word_logits = torch.zeros(rows, capacity, 2, words, dtype=torch.float32, device=word_embeddings.device)
+        self._spare_keys = torch.empty_like(self.keys)
+        self._spare_word_logits = torch.empty_like(self.word_logits)
+
+    def append(self, left_keys: torch.Tensor, right_keys: torch.Tensor) -> None:
+        """Store the keys of the words just inserted (``[rows, c, d]`` each) and their word part ``W[y_m]·k``."""
+        start, count = self.length, left_keys.shape[1]
+        end = start + count
+        new_keys = self.keys[:, start:end]
+        new_keys[:, :, 0], new_keys[:, :, 1] = left_keys, right_keys
+        batch, dim, words = self._reference_embeddings.shape
+        word_part = torch.bmm(new_keys.reshape(batch, -1, dim), self._reference_embeddings)  # [batch, beams·c·2, T]
+        self.word_logits[:, start:end] = word_part.view(-1, count, 2, words)
+        for position, side in ((0, 0), (1, 1)):  # left of <s>, right of </s>
+            if start <= position < end:
+                self.word_logits[:, position, side] = float("-inf")
+        self.length = end
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Beam selection: row ``i`` becomes old row ``index[i]`` (into spare buffers, then swapped)."""
+        n = self.length
+        torch.index_select(self.keys[:, :n], 0, index, out=self._spare_keys[:, :n])
+        torch.index_select(self.word_logits[:, :n], 0, index, out=self._spare_word_logits[:, :n])
+        self.keys, self._spare_keys = self._spare_keys, self.keys
+        self.word_logits, self._spare_word_logits = self._spare_word_logits, self.word_logits
+
+    def gap_log_probs(self, state_query: torch.Tensor, left_anchor: torch.Tensor, right_anchor: torch.Tensor):
+        """Eq. 9 then Eq. 11 for every reference word m of every hypothesis: ``log(p(right of left_anchor[m]) +
+        p(left of right_anchor[m]))`` under the query ``state_query + W[y_m]`` (``state_query`` = ``h E``
+        ``[rows, d]``, anchors ``[rows, T]`` insertion indices) → ``[rows, T]``."""
+        n = self.length
+        rows, _, _, dim = self.keys.shape
+        keys = self.keys[:, :n].reshape(rows, 2 * n, dim)
+        state_part = torch.bmm(keys, state_query.to(keys.dtype).unsqueeze(-1)).float()  # [rows, 2n, 1]
+        logits = self.word_logits[:, :n].reshape(rows, 2 * n, -1) + state_part  # [rows, 2n, T]
+        right_of_left = logits.gather(1, (2 * left_anchor + 1).unsqueeze(1))
+        left_of_right = logits.gather(1, (2 * right_anchor).unsqueeze(1))
+        return torch.logaddexp(right_of_left, left_of_right).squeeze(1) - logits.logsumexp(1)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The model
 # --------------------------------------------------------------------------------------------------------------------
@@ -411,18 +472,6 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
         → ``[b, c, 2n]`` log-probabilities with left of ``<s>`` and right of ``</s>`` masked."""
         logits = torch.cat([query @ left_keys.transpose(1, 2), query @ right_keys.transpose(1, 2)], dim=-1)
         return self._normalised_slots(logits)
-
-    def split_query_slot_log_probs(
-        self, state_query: torch.Tensor, word_queries: torch.Tensor, left_keys: torch.Tensor, right_keys: torch.Tensor
-    ) -> torch.Tensor:
-        """:meth:`slot_log_probs` for the queries ``state_query + word_queries`` (Eq. 9's ``h E`` ``[b, d]`` and
-        ``W[y]`` ``[b, c, d]``) without building the ``[b, c, d]`` query: ``(hE)·K`` once per row and slot, added
-        to ``W[y]·K`` by the product itself (the SAO search scores every remaining word of a row this way)."""
-        parts = []
-        for keys in (left_keys, right_keys):
-            state_logits = torch.bmm(keys, state_query.unsqueeze(-1)).transpose(1, 2)  # [b, 1, n]
-            parts.append(torch.baddbmm(state_logits, word_queries, keys.transpose(1, 2)))
-        return self._normalised_slots(torch.cat(parts, dim=-1))
 
     @staticmethod
     def _normalised_slots(logits: torch.Tensor) -> torch.Tensor:
@@ -722,15 +771,13 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
         first.self_attention_cache.batch_repeat_interleave(beams)
         cache = SourceGroupedCache(first.self_attention_cache, first.cross_attention_cache, beams)
         hidden = hidden.repeat_interleave(beams, 0)
-        left_keys = torch.zeros(rows, max_len + 2, hidden.shape[-1], device=device, dtype=hidden.dtype)
-        right_keys = torch.zeros_like(left_keys)
-        left_keys[:, :2], right_keys[:, :2] = self.pointer_keys(hidden)
-        spare_left, spare_right = torch.empty_like(left_keys), torch.empty_like(right_keys)
+        # Eq. 9's word part W[y] of every candidate's pointer query: the references are fixed, so it is scored
+        # once per key (ReferencePointerCache)
+        pointer = ReferencePointerCache(self.get_decoder().embed_tokens(target_ids), beams, max_len + 2, hidden.dtype)
+        pointer.append(*self.pointer_keys(hidden))
         last = hidden[:, -1]
         batch_offsets = torch.arange(batch, device=device).repeat_interleave(beams) * beams
         ref_positions = torch.arange(ref_width, device=device)
-        # Eq. 9's word part W[y] of every candidate's pointer query: the references are fixed, so once per search
-        word_queries = self.get_decoder().embed_tokens(targets)  # [rows, T, d]
 
         for step in range(max_len + 1):
             candidate_word, eod_log_prob = self._reference_word_log_probs(last, targets)  # [rows, T], [rows]
@@ -741,9 +788,6 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
                 break
             active = lengths > step
             n = step + 2
-            slot = self.split_query_slot_log_probs(
-                self.pointer_query_proj(last), word_queries, left_keys[:, :n], right_keys[:, :n]
-            )  # [rows, T, 2n]
             # Correct gap of word m: right of its nearest placed left neighbour / left of the nearest right one.
             is_placed_ref = ref_index >= 0
             left_ref = torch.where(is_placed_ref, ref_positions, -1).cummax(-1).values[:, :-2]  # for ref m+1 → [:, m]
@@ -752,9 +796,7 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
             right_ref = right_ref.clamp(max=ref_width - 1)
             left_neighbor = ref_index.gather(1, left_ref).clamp(min=0)
             right_neighbor = ref_index.gather(1, right_ref).clamp(min=0)
-            position = torch.logaddexp(
-                slot.gather(-1, (left_neighbor + n)[..., None]), slot.gather(-1, right_neighbor[..., None])
-            ).squeeze(-1)
+            position = pointer.gap_log_probs(self.pointer_query_proj(last), left_neighbor, right_neighbor)  # [rows, T]
             candidate = scores[:, None] + candidate_word + position
             candidate = candidate.masked_fill(placed, float("-inf"))
             flat = candidate.view(batch, beams * max_len)
@@ -772,10 +814,7 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
             placed, ref_index, ref_of_insertion, orders = (
                 placed[origin], ref_index[origin], ref_of_insertion[origin], orders[origin]
             )
-            # reorder into the spare buffers (no fresh [rows, T, d] tensors every step), then swap
-            torch.index_select(left_keys[:, :n], 0, origin, out=spare_left[:, :n])  # the n filled positions
-            torch.index_select(right_keys[:, :n], 0, origin, out=spare_right[:, :n])
-            left_keys, spare_left, right_keys, spare_right = spare_left, left_keys, spare_right, right_keys
+            pointer.reorder(origin)
             finished_scores = finished_scores[origin]
             valid_beam = valid_beam[origin] & torch.where(active, ~invalid.reshape(-1), True)
             scores = new_scores
@@ -788,7 +827,7 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
             tokens = torch.where(active, targets.gather(1, chosen[:, None]).squeeze(1), config.pad_token_id)
             new_relations = relative_positions_from_absolute(ref_of_insertion[:, : n + 1])[:, n : n + 1]
             hidden, cache = self._decoder_states(tokens[:, None], new_relations, encoder_states, encoder_mask, cache, True)
-            left_keys[:, n : n + 1], right_keys[:, n : n + 1] = self.pointer_keys(hidden)
+            pointer.append(*self.pointer_keys(hidden))
             last = hidden[:, -1]
 
         final = finished_scores.masked_fill(~valid_beam, float("-inf")).view(batch, beams)

@@ -19,6 +19,7 @@ from modeling.modeling_indigo import (
     RIGHT,
     InDIGOForConditionalGeneration,
     InsertionState,
+    ReferencePointerCache,
     absolute_positions_from_relative,
     append_relative_position,
     build_insertion_batch,
@@ -443,21 +444,35 @@ def test_sao_returns_permutations_scored_by_the_model_log_likelihood(model, sour
     assert torch.allclose(scores[1, 0], both.max(), atol=1e-4)
 
 
-def test_split_pointer_query_equals_the_built_query(model):
-    """The SAO search scores slots with Eq. 9's query split as (h E)·K + W[y]·K: equal to building h E + W[y]."""
+def test_reference_pointer_cache_equals_the_built_query(model):
+    """The SAO search scores Eq. 9 with the query split as (h E)·k + W[y_m]·k, the word part kept per key: after
+    appends and a beam reorder, Eq. 11's gap log-probabilities equal building h E + W[y_m] and pointing with it."""
     generator = torch.Generator().manual_seed(0)
-    dim = model.config.d_model
-    state = torch.randn(4, dim, generator=generator)
-    words = torch.randint(5, 40, (4, 6), generator=generator)
-    left, right = torch.randn(4, 5, dim, generator=generator), torch.randn(4, 5, dim, generator=generator)
+    dim, beams, words = model.config.d_model, 2, 6
+    references = torch.randint(5, 40, (2, words), generator=generator)  # 2 sentences × 2 beams = 4 rows
+    rows = references.repeat_interleave(beams, 0)
+    keys = [torch.randn(4, count, dim, generator=generator) for count in (2, 1, 1)]  # <s> </s>, then two words
+    other = [torch.randn(4, count, dim, generator=generator) for count in (2, 1, 1)]
+    index = torch.tensor([1, 1, 3, 2])  # beams move within their sentence
     with torch.no_grad():
-        built = model.slot_log_probs(model.pointer_query(state[:, None, :], words), left, right)
-        split = model.split_query_slot_log_probs(
-            model.pointer_query_proj(state), model.get_decoder().embed_tokens(words), left, right
-        )
-    assert split.shape == (4, 6, 10)
-    torch.testing.assert_close(split, built, atol=1e-5, rtol=1e-5)
-    assert bool(torch.isinf(split[..., 0]).all()) and bool(torch.isinf(split[..., 6]).all())
+        cache = ReferencePointerCache(model.get_decoder().embed_tokens(references), beams, 8, torch.float32)
+        cache.append(keys[0], other[0])
+        cache.append(keys[1], other[1])
+        cache.reorder(index)
+        cache.append(keys[2], other[2])
+        left = torch.cat([keys[0][index], keys[1][index], keys[2]], 1)
+        right = torch.cat([other[0][index], other[1][index], other[2]], 1)
+        state = torch.randn(4, dim, generator=generator)
+        left_anchor = torch.randint(0, 4, (4, words), generator=generator)
+        right_anchor = torch.randint(0, 4, (4, words), generator=generator)
+        split = cache.gap_log_probs(model.pointer_query_proj(state), left_anchor, right_anchor)
+        slots = model.slot_log_probs(model.pointer_query(state[:, None, :], rows), left, right)  # [4, T, 8]
+    built = torch.logaddexp(slots.gather(-1, (left_anchor + 4)[..., None]), slots.gather(-1, right_anchor[..., None]))
+    assert split.shape == (4, words)
+    torch.testing.assert_close(split, built.squeeze(-1), atol=1e-5, rtol=1e-5)
+    # the masked slots (left of <s>, right of </s>) alone give probability 0
+    alone = cache.gap_log_probs(model.pointer_query_proj(state), torch.ones_like(left_anchor), torch.zeros_like(left_anchor))
+    assert bool(torch.isinf(alone).all())
 
 
 def test_search_word_log_probs_equal_the_gathered_log_softmax(model):
