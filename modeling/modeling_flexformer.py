@@ -16,7 +16,7 @@ import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 
 import torch
 import torch.nn.functional as F
@@ -319,16 +319,17 @@ class PreallocatedKVLayer(DynamicLayer):
     `DynamicLayer.update` concatenates (copies) the whole past at every decoding step and beam search's
     `reorder_cache` allocates a reordered copy; on CPU those fresh multi-megabyte tensors cost more than the step's
     attention itself. Here the buffer `[batch, heads, capacity, head_dim]` grows by doubling, a step writes only
-    its new positions, and beams are reordered into a second buffer of the same shape that is then swapped in.
-    `keys` / `values` are views of the filled part, so everything that reads a `DynamicLayer` reads this one.
+    its new positions, and beams are reordered into a spare buffer pair of the same shape that is then swapped in.
+    The layers of one cache share their spare pair (`SpareBuffers`). `keys` / `values` are views of the filled
+    part, so everything that reads a `DynamicLayer` reads this one.
     """
 
     min_capacity = 32
 
-    def __init__(self, **kwargs):
+    def __init__(self, spares: SpareBuffers | None = None, **kwargs):
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
-        self._spare: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._spares = spares if spares is not None else SpareBuffers()
         self._length = 0
         self._placeholder: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         super().__init__(**kwargs)
@@ -356,7 +357,6 @@ class PreallocatedKVLayer(DynamicLayer):
     def _adopt(self, tensor: torch.Tensor | None, is_key: bool) -> None:
         """Keys/values assigned from outside (`DynamicLayer`'s `batch_select_indices`, `offload`, `reset`, …)
         become the new buffer, exactly full."""
-        self._spare = None
         if tensor is None or tensor.dim() != 4:  # None, or DynamicLayer's empty `torch.tensor([])` placeholder
             if is_key:
                 self._key_buffer, self._placeholder = None, (tensor, self._placeholder[1])
@@ -382,7 +382,6 @@ class PreallocatedKVLayer(DynamicLayer):
         self._value_buffer = self._buffer_like(old_values, old_values.shape[0], capacity)
         self._key_buffer[:, :, : self._length] = old_keys[:, :, : self._length]
         self._value_buffer[:, :, : self._length] = old_values[:, :, : self._length]
-        self._spare = None
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -428,25 +427,49 @@ class PreallocatedKVLayer(DynamicLayer):
         if self._key_buffer is None or self._length == 0:
             return
         beam_idx = beam_idx.to(self._key_buffer.device)
-        if self._spare is None or self._spare[0].shape != self._key_buffer.shape:
-            self._spare = (torch.empty_like(self._key_buffer), torch.empty_like(self._value_buffer))
-        spare_keys, spare_values = self._spare
+        spare_keys, spare_values = self._spares.take(self._key_buffer, self._value_buffer)
         filled = slice(0, self._length)
         torch.index_select(self._key_buffer[:, :, filled], 0, beam_idx, out=spare_keys[:, :, filled])
         torch.index_select(self._value_buffer[:, :, filled], 0, beam_idx, out=spare_values[:, :, filled])
-        self._spare = (self._key_buffer, self._value_buffer)
+        self._spares.give(self._key_buffer, self._value_buffer)
         self._key_buffer, self._value_buffer = spare_keys, spare_values
+
+
+class SpareBuffers:
+    """The spare key/value buffer pair that the `PreallocatedKVLayer`s of one cache reorder beams into, one after
+    the other: a layer takes the pair, reorders into it and leaves its old pair for the next layer. A cache of L
+    layers then holds L + 1 buffer pairs instead of 2L — on CPU each fresh pair is page-faulted in at its first
+    write (beam 5 at batch 32, `transformer_iwslt_de_en`: 67k page faults per `generate` with a spare per layer).
+    A pair of another shape, dtype or device than the asking layer's is not used (a fresh one is made)."""
+
+    __slots__ = ("_pair",)
+
+    def __init__(self):
+        self._pair: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def take(self, keys_like: torch.Tensor, values_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pair, self._pair = self._pair, None
+        if pair is not None and all(
+            spare.shape == like.shape and spare.dtype == like.dtype and spare.device == like.device
+            for spare, like in zip(pair, (keys_like, values_like))
+        ):
+            return pair
+        return torch.empty_like(keys_like), torch.empty_like(values_like)
+
+    def give(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self._pair = (keys, values)
 
 
 def use_preallocated_layers(cache: DynamicCache) -> DynamicCache:
     """Swap a fresh `DynamicCache`'s empty plain layers (and the class it replicates for layers added later) for
     `PreallocatedKVLayer`s; layers that already hold states, or are of another kind, are left alone."""
+    spares = SpareBuffers()
     cache.layers = [
-        PreallocatedKVLayer() if type(layer) is DynamicLayer and not layer.is_initialized else layer
+        PreallocatedKVLayer(spares) if type(layer) is DynamicLayer and not layer.is_initialized else layer
         for layer in cache.layers
     ]
     if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
-        cache.layer_class_to_replicate = PreallocatedKVLayer
+        cache.layer_class_to_replicate = partial(PreallocatedKVLayer, spares)
     return cache
 
 
