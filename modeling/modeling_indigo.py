@@ -705,9 +705,10 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
 
         All ``batch × beam`` hypotheses advance together, one cached decoder call per step. At each step every
         remaining reference word m of every hypothesis is scored by ``log p(y_m) + log(p_left + p_right)`` of its
-        (unique) correct gap — one pointer matmul for all candidates — and the best ``beam_size`` continuations
-        per sentence are kept; ``<eod>`` is scored once all words are placed. Dropout stays as the model's mode
-        has it when ``self.sao_search_dropout`` (the paper's noise, Sec. 4.2), else the search runs in eval mode.
+        (unique) correct gap (Eq. 9's word part kept per key: :class:`ReferencePointerCache`), and the best
+        ``beam_size`` continuations per sentence are kept; ``<eod>`` is scored once all words are placed. Dropout
+        stays as the model's mode has it when ``self.sao_search_dropout`` (the paper's noise, Sec. 4.2), else the
+        search runs in eval mode.
 
         Returns ``orders`` ``[b, beam, T]`` (reading indices in generation order; beams sorted by score) and
         ``scores`` ``[b, beam]`` = log-likelihood of each order; ``-inf`` marks a beam for which fewer distinct

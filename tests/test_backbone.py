@@ -483,6 +483,28 @@ def test_preallocated_layer_behaves_like_dynamic_layer():
         PreallocatedKVLayer.min_capacity = saved
 
 
+def test_layers_of_one_cache_share_one_spare_pair():
+    """Beam reordering in a cache of L layers (built as `generate()` builds it) gives what `DynamicLayer`s give,
+    with L + 1 key/value buffer pairs in all — each layer reorders into the pair the previous one left."""
+    torch.manual_seed(0)
+    config = FlexformerConfig(**tiny_config_kwargs())
+    ours = new_decoder_cache(config).self_attention_cache
+    plain = DynamicCache(config=config)
+    layers = len(ours.layers)
+    seen = set()
+    for step in range(6):
+        for layer_idx in range(layers):
+            keys, values = torch.randn(4, 2, 1, 8), torch.randn(4, 2, 1, 8)
+            got, want = ours.update(keys, values, layer_idx), plain.update(keys, values, layer_idx)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        order = torch.randint(0, 4, (4,))
+        ours.reorder_cache(order)
+        plain.reorder_cache(order)
+        seen.update(layer._key_buffer.data_ptr() for layer in ours.layers)
+    assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) for a, b in zip(ours.layers, plain.layers))
+    assert layers > 1 and len(seen) == layers + 1
+
+
 @pytest.mark.parametrize("options", [dict(do_sample=False), dict(num_beams=4, num_return_sequences=2)])
 def test_generation_with_preallocated_cache_equals_dynamic_cache(options):
     """`generate()` uses `PreallocatedKVLayer`s; a user-supplied plain `DynamicCache` gives the same tokens/scores."""
