@@ -501,7 +501,8 @@ def test_layers_of_one_cache_share_one_spare_pair():
         ours.reorder_cache(order)
         plain.reorder_cache(order)
         seen.update(layer._key_buffer.data_ptr() for layer in ours.layers)
-    assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) for a, b in zip(ours.layers, plain.layers))
+    for mine, theirs in zip(ours.layers, plain.layers):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
     assert layers > 1 and len(seen) == layers + 1
 
 
