@@ -364,7 +364,6 @@ class ReferencePointerCache:
     def __init__(self, word_embeddings: torch.Tensor, beams: int, capacity: int, dtype: torch.dtype):
         batch, words, dim = word_embeddings.shape
         rows = batch * beams
-        self.beams = beams
         self.length = 0
         self._reference_embeddings = word_embeddings.to(dtype).transpose(1, 2)  # [batch, d, T]
         self.keys = torch.zeros(rows, capacity, 2, dim, dtype=dtype, device=word_embeddings.device)
