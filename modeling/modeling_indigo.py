@@ -356,9 +356,11 @@ class ReferencePointerCache:
     ``(h E)·k`` — ``O(n·d)`` per hypothesis — to the kept ``[n, 2, T]`` word part, instead of scoring ``T`` full
     queries against ``n`` keys (``O(T·n·d)``).
 
-    ``keys`` ``[rows, capacity, 2, d]`` (side 0: the left key ``h C``, side 1: the right key ``h D``) and
-    ``word_logits`` ``[rows, capacity, 2, T]`` (fp32; the left slot of ``<s>`` and the right slot of ``</s>`` are
-    ``-inf``, Eq. 9's mask). Rows are ``sentence * beams + beam``; :meth:`reorder` follows the beam selection.
+    ``keys`` ``[rows, 2, capacity, d]`` (side 0: the left keys ``H C``, side 1: the right keys ``H D``) and
+    ``word_logits`` ``[rows, 2, capacity, T]`` (fp32; the left slot of ``<s>`` and the right slot of ``</s>`` are
+    ``-inf``, Eq. 9's mask), so the first ``n`` positions of both sides read as the module's slot layout
+    ``[left of 0 .. n-1, right of 0 .. n-1]``. Rows are ``sentence * beams + beam``; :meth:`reorder` follows the
+    beam selection.
     """
 
     def __init__(self, word_embeddings: torch.Tensor, beams: int, capacity: int, dtype: torch.dtype):
@@ -366,8 +368,8 @@ class ReferencePointerCache:
         rows = batch * beams
         self.length = 0
         self._reference_embeddings = word_embeddings.to(dtype).transpose(1, 2)  # [batch, d, T]
-        self.keys = torch.zeros(rows, capacity, 2, dim, dtype=dtype, device=word_embeddings.device)
-        self.word_logits = torch.zeros(rows, capacity, 2, words, dtype=torch.float32, device=word_embeddings.device)
+        self.keys = torch.zeros(rows, 2, capacity, dim, dtype=dtype, device=word_embeddings.device)
+        self.word_logits = torch.zeros(rows, 2, capacity, words, dtype=torch.float32, device=word_embeddings.device)
         self._spare_keys = torch.empty_like(self.keys)
         self._spare_word_logits = torch.empty_like(self.word_logits)
 
@@ -375,21 +377,21 @@ class ReferencePointerCache:
         """Store the keys of the words just inserted (``[rows, c, d]`` each) and their word part ``W[y_m]·k``."""
         start, count = self.length, left_keys.shape[1]
         end = start + count
-        new_keys = self.keys[:, start:end]
-        new_keys[:, :, 0], new_keys[:, :, 1] = left_keys, right_keys
+        new_keys = torch.stack([left_keys, right_keys], dim=1).to(self.keys.dtype)  # [rows, 2, c, d]
+        self.keys[:, :, start:end] = new_keys
         batch, dim, words = self._reference_embeddings.shape
-        word_part = torch.bmm(new_keys.reshape(batch, -1, dim), self._reference_embeddings)  # [batch, beams·c·2, T]
-        self.word_logits[:, start:end] = word_part.view(-1, count, 2, words)
-        for position, side in ((0, 0), (1, 1)):  # left of <s>, right of </s>
+        word_part = torch.bmm(new_keys.view(batch, -1, dim), self._reference_embeddings)  # [batch, beams·2·c, T]
+        self.word_logits[:, :, start:end] = word_part.view(-1, 2, count, words)
+        for side, position in ((0, 0), (1, 1)):  # left of <s>, right of </s>
             if start <= position < end:
-                self.word_logits[:, position, side] = float("-inf")
+                self.word_logits[:, side, position] = float("-inf")
         self.length = end
 
     def reorder(self, index: torch.Tensor) -> None:
         """Beam selection: row ``i`` becomes old row ``index[i]`` (into spare buffers, then swapped)."""
         n = self.length
-        torch.index_select(self.keys[:, :n], 0, index, out=self._spare_keys[:, :n])
-        torch.index_select(self.word_logits[:, :n], 0, index, out=self._spare_word_logits[:, :n])
+        torch.index_select(self.keys[:, :, :n], 0, index, out=self._spare_keys[:, :, :n])
+        torch.index_select(self.word_logits[:, :, :n], 0, index, out=self._spare_word_logits[:, :, :n])
         self.keys, self._spare_keys = self._spare_keys, self.keys
         self.word_logits, self._spare_word_logits = self._spare_word_logits, self.word_logits
 
@@ -398,12 +400,12 @@ class ReferencePointerCache:
         p(left of right_anchor[m]))`` under the query ``state_query + W[y_m]`` (``state_query`` = ``h E``
         ``[rows, d]``, anchors ``[rows, T]`` insertion indices) → ``[rows, T]``."""
         n = self.length
-        rows, _, _, dim = self.keys.shape
-        keys = self.keys[:, :n].reshape(rows, 2 * n, dim)
-        state_part = torch.bmm(keys, state_query.to(keys.dtype).unsqueeze(-1)).float()  # [rows, 2n, 1]
-        logits = self.word_logits[:, :n].reshape(rows, 2 * n, -1) + state_part  # [rows, 2n, T]
-        right_of_left = logits.gather(1, (2 * left_anchor + 1).unsqueeze(1))
-        left_of_right = logits.gather(1, (2 * right_anchor).unsqueeze(1))
+        rows = self.keys.shape[0]
+        query = state_query.to(self.keys.dtype)[:, None, :, None].expand(-1, 2, -1, -1)  # [rows, 2, d, 1]
+        state_part = torch.matmul(self.keys[:, :, :n], query).float()  # [rows, 2, n, 1]
+        logits = (self.word_logits[:, :, :n] + state_part).view(rows, 2 * n, -1)  # slots × words: [rows, 2n, T]
+        right_of_left = logits.gather(1, (left_anchor + n).unsqueeze(1))
+        left_of_right = logits.gather(1, right_anchor.unsqueeze(1))
         return torch.logaddexp(right_of_left, left_of_right).squeeze(1) - logits.logsumexp(1)
 
 
