@@ -949,6 +949,33 @@ def test_prepacked_weights_follow_in_place_updates(always_prepack):
     torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
 
 
+def test_self_attention_projections_run_as_one_packed_product(always_prepack):
+    """q, k, v of a decoding step come from one packed product over the three weights side by side: equal to the
+    three separate products, repacked after an in-place update of any one weight or bias, and not used for a
+    projection with a hook (an adapter's forward must run)."""
+    attention = tiny_model().model.decoder.layers[0].self_attn
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    hidden = torch.randn(4, 1, attention.embed_dim)
+
+    def separate():
+        return [torch.nn.functional.linear(hidden, p.weight, p.bias) for p in projections]
+
+    with torch.no_grad():
+        fused = always_prepack.fused_linears(attention, hidden, projections)
+        assert always_prepack._PACKED_WEIGHTS[attention][1] is not None  # the fused path ran
+        for got, expected in zip(fused, separate()):
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+        attention.k_proj.weight.add_(0.5)
+        attention.v_proj.bias.add_(1.0)
+        for got, expected in zip(always_prepack.fused_linears(attention, hidden, projections), separate()):
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+        calls = []
+        handle = attention.v_proj.register_forward_hook(lambda module, args, output: calls.append(1))
+        always_prepack.fused_linears(attention, hidden, projections)
+        handle.remove()
+    assert calls == [1]
+
+
 def test_a_weight_onednn_cannot_pack_falls_back_to_plain_products(always_prepack, monkeypatch):
     def refuse(weight, rows):
         raise RuntimeError("unsupported layout")
