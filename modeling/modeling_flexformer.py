@@ -292,15 +292,18 @@ def fused_linears(owner: nn.Module, inputs: torch.Tensor, projections: Sequence[
     projections' weights are packed side by side and run as one product, then split — a wider product keeps both
     cores busier than three narrow ones: self-attention's q, k, v at [32, 512]×[512, 3·512] 0.45 ms against
     3 × 0.165 ms (greedy generation −2%). The packed copy, keyed by `owner`, follows every weight's and bias's
-    version. Only plain `PrepackedLinear`s without hooks are fused (an adapter that replaces or wraps a projection,
-    e.g. PEFT's LoRA, keeps its own forward)."""
+    version. Only plain `PrepackedLinear`s without hooks or a per-module `forward` are fused (an adapter that
+    replaces or wraps a projection, e.g. PEFT's LoRA or accelerate's offload hooks, keeps its own forward)."""
     first = projections[0]
     biases = [projection.bias for projection in projections]
     rows = _packed_rows(inputs, first.weight, biases)
     if (
         rows
         and all(
-            type(projection) is PrepackedLinear and not projection._forward_hooks and not projection._forward_pre_hooks
+            type(projection) is PrepackedLinear
+            and not projection._forward_hooks
+            and not projection._forward_pre_hooks
+            and "forward" not in projection.__dict__  # e.g. accelerate's offload hook replaces `forward` per module
             for projection in projections
         )
         and (all(bias is None for bias in biases) or all(bias is not None for bias in biases))

@@ -952,7 +952,7 @@ def test_prepacked_weights_follow_in_place_updates(always_prepack):
 def test_self_attention_projections_run_as_one_packed_product(always_prepack):
     """q, k, v of a decoding step come from one packed product over the three weights side by side: equal to the
     three separate products, repacked after an in-place update of any one weight or bias, and not used for a
-    projection with a hook (an adapter's forward must run)."""
+    projection with a hook or its own `forward` (an adapter's or offloader's forward must run)."""
     attention = tiny_model().model.decoder.layers[0].self_attn
     projections = (attention.q_proj, attention.k_proj, attention.v_proj)
     hidden = torch.randn(4, 1, attention.embed_dim)
@@ -973,7 +973,10 @@ def test_self_attention_projections_run_as_one_packed_product(always_prepack):
         handle = attention.v_proj.register_forward_hook(lambda module, args, output: calls.append(1))
         always_prepack.fused_linears(attention, hidden, projections)
         handle.remove()
-    assert calls == [1]
+        plain_forward = attention.k_proj.forward
+        attention.k_proj.forward = lambda x: calls.append(2) or plain_forward(x)  # as accelerate's hooks do
+        always_prepack.fused_linears(attention, hidden, projections)
+    assert calls == [1, 2]
 
 
 def test_a_weight_onednn_cannot_pack_falls_back_to_plain_products(always_prepack, monkeypatch):
