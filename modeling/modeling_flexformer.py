@@ -479,13 +479,9 @@ class PreallocatedKVLayer(DynamicLayer):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self._key_buffer is None or self._length == 0:
             return
-        beam_idx = beam_idx.to(self._key_buffer.device)
-        spare_keys, spare_values = self._spares.take(self._key_buffer, self._value_buffer)
-        filled = slice(0, self._length)
-        torch.index_select(self._key_buffer[:, :, filled], 0, beam_idx, out=spare_keys[:, :, filled])
-        torch.index_select(self._value_buffer[:, :, filled], 0, beam_idx, out=spare_values[:, :, filled])
-        self._spares.give(self._key_buffer, self._value_buffer)
-        self._key_buffer, self._value_buffer = spare_keys, spare_values
+        self._key_buffer, self._value_buffer = self._spares.reorder(
+            self._key_buffer, self._value_buffer, beam_idx.to(self._key_buffer.device), self._length
+        )
 
 
 class SpareBuffers:
@@ -493,7 +489,8 @@ class SpareBuffers:
     the other: a layer takes the pair, reorders into it and leaves its old pair for the next layer. A cache of L
     layers then holds L + 1 buffer pairs instead of 2L — on CPU each fresh pair is page-faulted in at its first
     write (beam 5 at batch 32, `transformer_iwslt_de_en`: 67k page faults per `generate` with a spare per layer).
-    A pair of another shape, dtype or device than the asking layer's is not used (a fresh one is made)."""
+    A pair of another shape, dtype or device than the asking layer's is not used (a fresh one is made). InDIGO's
+    SAO search reorders its pointer cache (keys and word part) through one too."""
 
     __slots__ = ("_pair",)
 
@@ -511,6 +508,19 @@ class SpareBuffers:
 
     def give(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self._pair = (keys, values)
+
+    def reorder(
+        self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Beam selection on a buffer pair filled up to `length` along dim 2: row i of the result is old row
+        `index[i]`. Gathered into the spare pair (only the filled part), which is returned; the old pair becomes
+        the spare."""
+        spare_keys, spare_values = self.take(keys, values)
+        filled = slice(0, length)
+        torch.index_select(keys[:, :, filled], 0, index, out=spare_keys[:, :, filled])
+        torch.index_select(values[:, :, filled], 0, index, out=spare_values[:, :, filled])
+        self.give(keys, values)
+        return spare_keys, spare_values
 
 
 def use_preallocated_layers(cache: DynamicCache) -> DynamicCache:

@@ -40,6 +40,7 @@ from .modeling_flexformer import (
     FlexformerModel,
     PrepackedLinear,
     SourceGroupedCache,
+    SpareBuffers,
     new_decoder_cache,
 )
 
@@ -370,8 +371,7 @@ class ReferencePointerCache:
         self._reference_embeddings = word_embeddings.to(dtype).transpose(1, 2)  # [batch, d, T]
         self.keys = torch.zeros(rows, 2, capacity, dim, dtype=dtype, device=word_embeddings.device)
         self.word_logits = torch.zeros(rows, 2, capacity, words, dtype=torch.float32, device=word_embeddings.device)
-        self._spare_keys = torch.empty_like(self.keys)
-        self._spare_word_logits = torch.empty_like(self.word_logits)
+        self._spares = SpareBuffers()
 
     def append(self, left_keys: torch.Tensor, right_keys: torch.Tensor) -> None:
         """Store the keys of the words just inserted (``[rows, c, d]`` each) and their word part ``W[y_m]·k``."""
@@ -388,12 +388,8 @@ class ReferencePointerCache:
         self.length = end
 
     def reorder(self, index: torch.Tensor) -> None:
-        """Beam selection: row ``i`` becomes old row ``index[i]`` (into spare buffers, then swapped)."""
-        n = self.length
-        torch.index_select(self.keys[:, :, :n], 0, index, out=self._spare_keys[:, :, :n])
-        torch.index_select(self.word_logits[:, :, :n], 0, index, out=self._spare_word_logits[:, :, :n])
-        self.keys, self._spare_keys = self._spare_keys, self.keys
-        self.word_logits, self._spare_word_logits = self._spare_word_logits, self.word_logits
+        """Beam selection: row ``i`` becomes old row ``index[i]`` (the filled positions, into a spare pair)."""
+        self.keys, self.word_logits = self._spares.reorder(self.keys, self.word_logits, index, self.length)
 
     def gap_log_probs(self, state_query: torch.Tensor, left_anchor: torch.Tensor, right_anchor: torch.Tensor):
         """Eq. 9 then Eq. 11 for every reference word m of every hypothesis: ``log(p(right of left_anchor[m]) +
