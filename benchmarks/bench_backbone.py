@@ -6,7 +6,10 @@ embeddings, batch 32 × 30 source and target tokens:
 - train: forward + label-smoothed loss (ε=0.1) + backward + AdamW step → target tokens/s (the HF models use the
   fused AdamW that Seq2SeqTrainer uses by default; fairseq its usual per-parameter Adam update);
 - greedy / beam-5: `generate()` forced to exactly 30 new tokens (`--force`: by default without an EOS id, so no
-  logits processor runs; `min-new-tokens` for the processors' cost) → sentences/s.
+  logits processor runs; `min-new-tokens` for the processors' cost) → sentences/s;
+- `--static-cache`: also both HF models generating with `cache_implementation="static"` (rows `ours_static`,
+  `fsmt_static`), with which `generate()` compiles the decoding step on a GPU (`torch.compile`, mode
+  "reduce-overhead": CUDA graphs); on a CPU it runs the static cache uncompiled.
 
 Measurements are interleaved (ours, FSMT, fairseq, ours, FSMT, fairseq, …) and the median is reported, so all
 see the same machine state. fairseq runs in its own virtual environment (`--fairseq-python`, see NOTES.md) as a
@@ -15,6 +18,7 @@ and thread count (bf16: one separate fairseq run after ours and FSMT's).
 
     python benchmarks/bench_backbone.py [--repeats 5] [--precision fp32 bf16] [--fairseq-python /path/python]
                                         [--device cuda] [--batch 32] [--schedule interleaved|blocked]
+                                        [--static-cache]
 
 On a GPU (`--device cuda`) every timed call ends with a device synchronisation; fairseq runs on the same GPU.
 """
@@ -105,15 +109,16 @@ class TrainStep:
 FORCING = {"no-eos": {"eos_token_id": None}, "min-new-tokens": {"min_new_tokens": LENGTH}}
 
 
-def generate_fn(model, num_beams, forcing="no-eos", device="cpu"):
+def generate_fn(model, num_beams, forcing="no-eos", device="cpu", cache_implementation=None):
     source = make_batch(1)[0].to(device)
     model = model.eval()
+    cache = {"cache_implementation": cache_implementation} if cache_implementation else {}
 
     def run():
         with torch.inference_mode():
             out = model.generate(
                 source, attention_mask=source.ne(1).long(), num_beams=num_beams, max_new_tokens=LENGTH,
-                do_sample=False, early_stopping=False, length_penalty=1.0, **FORCING[forcing],
+                do_sample=False, early_stopping=False, length_penalty=1.0, **FORCING[forcing], **cache,
             )
         assert out.shape[1] == LENGTH + 1, out.shape
 
@@ -178,6 +183,8 @@ def main():
     parser.add_argument("--batch", type=int, default=BATCH, help="sentences per batch (the issue's setting: 32)")
     parser.add_argument("--schedule", choices=["interleaved", "blocked"], default="interleaved",
                         help="blocked: all repetitions of one system, then the next (fairseq as a separate run)")
+    parser.add_argument("--static-cache", action="store_true",
+                        help="also time both HF models generating with a static cache (compiled on a GPU)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     BATCH = args.batch
@@ -204,25 +211,27 @@ def main():
         )
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         ours, fsmt = ours.to(dtype), fsmt.to(dtype)
-        greedy = interleaved(
-            {"ours": generate_fn(ours, 1, args.force, device), "fsmt": generate_fn(fsmt, 1, args.force, device)}
-            | {name: peer.task("greedy") for name, peer in peers.items()},
-            args.repeats, blocked=blocked,
-        )
-        beam = interleaved(
-            {"ours": generate_fn(ours, 5, args.force, device), "fsmt": generate_fn(fsmt, 5, args.force, device)}
-            | {name: peer.task("beam5") for name, peer in peers.items()},
-            args.repeats, blocked=blocked,
-        )
+        def generators(num_beams, task):
+            systems = {"ours": ours, "fsmt": fsmt}
+            functions = {name: generate_fn(model, num_beams, args.force, device) for name, model in systems.items()}
+            if args.static_cache:
+                functions |= {
+                    f"{name}_static": generate_fn(model, num_beams, args.force, device, "static")
+                    for name, model in systems.items()
+                }
+            return functions | {name: peer.task(task) for name, peer in peers.items()}
+
+        greedy = interleaved(generators(1, "greedy"), args.repeats, blocked=blocked)
+        beam = interleaved(generators(5, "beam5"), args.repeats, blocked=blocked)
         if server is not None:
             server.close()
         rows = {
             system: {
-                "train_tok_s": BATCH * LENGTH / train[system],
+                "train_tok_s": BATCH * LENGTH / train[system] if system in train else None,
                 "greedy_sent_s": BATCH / greedy[system],
                 "beam5_sent_s": BATCH / beam[system],
             }
-            for system in train
+            for system in greedy
         }
         if args.fairseq_python and server is None:
             peer = run_fairseq(args.fairseq_python, precision, args.repeats, args.threads, args.device, BATCH)
@@ -230,11 +239,17 @@ def main():
                 rows["fairseq"] = peer
         results[precision] = rows
         print(f"\n[{precision}] {describe_device(device, args.threads)}, batch {BATCH} x {LENGTH}")
-        print(f"{'system':10s} {'train tok/s':>12s} {'greedy sent/s':>14s} {'beam-5 sent/s':>14s}")
+        print(f"{'system':11s} {'train tok/s':>12s} {'greedy sent/s':>14s} {'beam-5 sent/s':>14s}")
         for system, row in rows.items():
-            print(f"{system:10s} {row['train_tok_s']:12.0f} {row['greedy_sent_s']:14.1f} {row['beam5_sent_s']:14.2f}")
-        best = {k: max(rows[s][k] for s in rows if s != "ours") for k in rows["ours"]}
-        print("ours / best peer: " + "  ".join(f"{k} {rows['ours'][k] / best[k]:.2f}x" for k in best), flush=True)
+            train_column = f"{row['train_tok_s']:12.0f}" if row["train_tok_s"] is not None else f"{'-':>12s}"
+            print(f"{system:11s} {train_column} {row['greedy_sent_s']:14.1f} {row['beam5_sent_s']:14.2f}")
+        for ours_row in [name for name in rows if name.startswith("ours")]:
+            ratios = []
+            for key, value in rows[ours_row].items():
+                peer_values = [row[key] for name, row in rows.items() if not name.startswith("ours") and row[key]]
+                if value is not None and peer_values:
+                    ratios.append(f"{key} {value / max(peer_values):.2f}x")
+            print(f"{ours_row} / best peer: " + "  ".join(ratios), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

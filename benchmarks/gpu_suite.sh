@@ -3,6 +3,7 @@
 #
 #     bash benchmarks/gpu_suite.sh [check] [backbone] [profile] [indigo] [depth_adaptive] [iot] [mat]  (default: all)
 #                                  [backbone_blocked] [backbone_b256]   (schedule and batch-size checks)
+#                                  [static]   (static cache + compiled decoding step: tokens, then speed)
 #
 # Wheels for what the machine lacks are read from .whl/ (keep it out of git). For a Python 3.12 x86-64 machine,
 # fetch them where pip has a network (antlr4 4.9.3 exists only as an sdist, so it is built locally):
@@ -62,6 +63,9 @@ for part in "${parts[@]}"; do
             --schedule blocked "${FAIRSEQ_ARGS[@]}" --json "$OUT/backbone_blocked.json" ;;
         backbone_b256) run backbone_b256 300 python3 benchmarks/bench_backbone.py --device cuda --repeats 10 \
             --batch 256 --precision fp32 bf16 "${FAIRSEQ_ARGS[@]}" --json "$OUT/backbone_b256.json" ;;
+        static) run static_check 180 python3 benchmarks/check_static_cache.py --device cuda
+            run backbone_static 390 python3 benchmarks/bench_backbone.py --device cuda --repeats 10 --static-cache \
+            --precision fp32 bf16 "${FAIRSEQ_ARGS[@]}" --json "$OUT/backbone_static.json" ;;
         profile) run profile 200 python3 benchmarks/profile_backbone.py --device cuda --top 25 --repeats 10 ;;
         indigo) run indigo 240 python3 benchmarks/bench_indigo.py --device cuda --repeats 5 --precision fp32 bf16 \
             --json "$OUT/indigo.json" ;;

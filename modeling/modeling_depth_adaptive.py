@@ -901,6 +901,12 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
       over that forward; ``return_exits=True`` adds the per-token exits.
     """
 
+    _can_compile_fullgraph = False
+    static_cache_unsupported_reason = (
+        "early exits copy the exiting state into the skipped blocks' caches (CopiedStateCache) and stop per token "
+        "on the host, which a cache holding exactly the past supports"
+    )
+
     config_class = DepthAdaptiveConfig
     base_model_class = DepthAdaptiveModel
     components = DEPTH_ADAPTIVE_COMPONENTS
@@ -1209,7 +1215,7 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
         return_exits: bool = False,
         **kwargs,
     ):
-        """``GenerationMixin.generate`` (every ``GenerationConfig`` option) with early exits.
+        """``GenerationMixin.generate`` (every ``GenerationConfig`` option but a static cache) with early exits.
 
         ``exit_strategy`` / ``fixed_exit`` / ``exit_thresholds`` choose the exits for this call (also read from
         attributes of the same names on ``generation_config``, or on the model's own ``generation_config`` when none

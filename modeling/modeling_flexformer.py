@@ -72,12 +72,27 @@ def sinusoidal_table(num_embeddings: int, embedding_dim: int, padding_idx: int |
     return table
 
 
-def _positions_for(input_ids: torch.Tensor, padding_idx: int, past_length: int) -> torch.Tensor:
-    if past_length == 0:
+def _positions_for(input_ids: torch.Tensor, padding_idx: int, past_length: int | torch.Tensor) -> torch.Tensor:
+    """Positions of `input_ids` after `past_length` cached ones: `make_positions` for a fresh sequence; in
+    incremental decoding the new tokens continue the cached prefix (fairseq's incremental_state path). A static
+    cache's length is a device tensor: both are computed and selected on the device (no host branch to compile)."""
+    if isinstance(past_length, int) and past_length == 0:
         return make_positions(input_ids, padding_idx)
-    # Incremental decoding: the new tokens continue the cached prefix (fairseq's incremental_state path).
     steps = torch.arange(input_ids.shape[1], device=input_ids.device) + past_length + padding_idx + 1
-    return steps.unsqueeze(0).expand(input_ids.shape[0], -1)
+    steps = steps.unsqueeze(0).expand(input_ids.shape[0], -1)
+    if isinstance(past_length, int):
+        return steps
+    return torch.where(past_length > 0, steps, make_positions(input_ids, padding_idx))
+
+
+def _position_bound(past_length: int | torch.Tensor, new_tokens: int, max_length: int | None) -> int:
+    """The number of positions a call reaches: past + new, or `max_length` (a static cache's capacity) when the
+    past length is a device tensor that the host should not wait for."""
+    if isinstance(past_length, int):
+        return past_length + new_tokens
+    if max_length is None:
+        raise ValueError("a tensor past_length (static cache) needs max_length, the cache's capacity")
+    return max_length
 
 
 class SinusoidalPositionalEmbedding(nn.Module):
@@ -100,9 +115,12 @@ class SinusoidalPositionalEmbedding(nn.Module):
             self._table = table
         return table
 
-    def forward(self, input_ids: torch.Tensor, past_length: int = 0, dtype: torch.dtype = torch.float32):
+    def forward(
+        self, input_ids: torch.Tensor, past_length: int | torch.Tensor = 0, dtype: torch.dtype = torch.float32,
+        max_length: int | None = None,
+    ):
         positions = _positions_for(input_ids, self.padding_idx, past_length)
-        max_position = self.padding_idx + 1 + past_length + input_ids.shape[1]
+        max_position = self.padding_idx + 1 + _position_bound(past_length, input_ids.shape[1], max_length)
         table = self._table_for(max_position, input_ids.device, dtype)
         return table[positions]
 
@@ -114,12 +132,16 @@ class LearnedPositionalEmbedding(nn.Embedding):
         super().__init__(max_positions + padding_idx + 1, embedding_dim, padding_idx)
         self.max_positions = max_positions
 
-    def forward(self, input_ids: torch.Tensor, past_length: int = 0, dtype: torch.dtype | None = None):
+    def forward(
+        self, input_ids: torch.Tensor, past_length: int | torch.Tensor = 0, dtype: torch.dtype | None = None,
+        max_length: int | None = None,
+    ):
         positions = _positions_for(input_ids, self.padding_idx, past_length)
-        if past_length + input_ids.shape[1] > self.max_positions:
+        length = _position_bound(past_length, input_ids.shape[1], max_length)
+        if length > self.max_positions:
             raise ValueError(
-                f"sequence of length {past_length + input_ids.shape[1]} exceeds the {self.max_positions} learned "
-                "positions (max_source_positions / max_target_positions)"
+                f"sequence of length {length} exceeds the {self.max_positions} learned positions "
+                "(max_source_positions / max_target_positions)"
             )
         return super().forward(positions)
 
@@ -239,7 +261,7 @@ def _packed_rows(inputs: torch.Tensor, weight: torch.Tensor, biases: Sequence[to
     needed, CPU, fp32, not autocast, a weight with a version counter (to notice in-place updates by) and a shape
     where packing pays (`_prepacking_pays`). Runs ~50 times per decoding step, so the checks are ordered to leave
     early and cost ~2 µs in all."""
-    if not PREPACK_INFERENCE_WEIGHTS or (
+    if not PREPACK_INFERENCE_WEIGHTS or torch.compiler.is_compiling() or (  # compiled: the compiler lays weights out
         torch.is_grad_enabled()
         and (
             inputs.requires_grad
@@ -705,6 +727,18 @@ def _self_attention_cache(past_key_values: Cache | None) -> Cache | None:
     if isinstance(past_key_values, EncoderDecoderCache):
         return past_key_values.self_attention_cache
     return past_key_values
+
+
+def static_cache_capacity(past_key_values: Cache | None) -> int | None:
+    """The capacity of a static self-attention cache (`generate(cache_implementation="static")`), or None for a
+    cache that returns just its filled part. A static layer's keys are its whole preallocated buffer and its length
+    is a device tensor: the decoder masks the slots not written yet and never reads the length on the host, so a
+    decoding step is one graph for `torch.compile` (CUDA graphs on a GPU)."""
+    cache = _self_attention_cache(past_key_values)
+    if cache is None or not getattr(cache, "layers", None):
+        return None
+    capacity = cache.layers[0].get_max_length()
+    return capacity if capacity > 0 else None
 
 
 # `_whole_groups` answers per row-subset tensor, remembered while the tensor lives: a generation reuses the same
@@ -1306,7 +1340,8 @@ class FlexformerDecoderLayer(_ReorderableLayer):
 
 def padding_mask(attention_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """Additive key mask `[batch, 1, 1, keys]` from a 0/1 mask, or None when nothing is masked (fast SDPA path)."""
-    if attention_mask is None or bool(attention_mask.all()):
+    # While compiling, the mask is built even when it hides nothing: the all-ones check is a host sync.
+    if attention_mask is None or (not torch.compiler.is_compiling() and bool(attention_mask.all())):
         return None
     keep = attention_mask.bool()[:, None, None, :]
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
@@ -1340,7 +1375,7 @@ class _TransformerStack(nn.Module):
         )
         self.layer_norm = nn.LayerNorm(dim) if getattr(config, f"{self.side}_normalize_before") else None
 
-    def _embed(self, input_ids, inputs_embeds, past_length: int) -> torch.Tensor:
+    def _embed(self, input_ids, inputs_embeds, past_length: int | torch.Tensor, max_length: int | None = None):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError(f"pass exactly one of {self.input_name} and inputs_embeds to the {self.side}")
         if inputs_embeds is None:
@@ -1350,7 +1385,9 @@ class _TransformerStack(nn.Module):
             ids = input_ids
             if ids is None:  # embeddings given: every position is a real token
                 ids = inputs_embeds.new_full(inputs_embeds.shape[:2], self.padding_idx + 1, dtype=torch.long)
-            hidden_states = hidden_states + self.embed_positions(ids, past_length, dtype=hidden_states.dtype)
+            hidden_states = hidden_states + self.embed_positions(
+                ids, past_length, dtype=hidden_states.dtype, max_length=max_length
+            )
         if self.layernorm_embedding is not None:
             hidden_states = self.layernorm_embedding(hidden_states)
         return dropout(hidden_states, self.dropout, self.training)
@@ -1411,15 +1448,39 @@ class FlexformerDecoder(_TransformerStack):
     side = "decoder"
     input_name = "decoder_input_ids"
 
-    def embed(self, input_ids: torch.Tensor | None, past_length: int = 0, inputs_embeds=None) -> torch.Tensor:
-        return self._embed(input_ids, inputs_embeds, past_length)
+    def embed(
+        self, input_ids: torch.Tensor | None, past_length: int | torch.Tensor = 0, inputs_embeds=None,
+        max_length: int | None = None,
+    ) -> torch.Tensor:
+        """Scaled token embeddings + positions after `past_length` cached tokens (a device tensor for a static
+        cache, whose capacity `max_length` then bounds the positions)."""
+        return self._embed(input_ids, inputs_embeds, past_length, max_length)
 
     @staticmethod
     def self_attention_mask(
-        batch_size: int, query_length: int, past_length: int, decoder_attention_mask, dtype, device
+        batch_size: int, query_length: int, past_length: int | torch.Tensor, decoder_attention_mask, dtype, device,
+        key_length: int | None = None,
     ) -> torch.Tensor | None:
         """Additive causal (+ padding) mask `[batch, 1, q, past+q]`; None when SDPA's own causal path is exact
-        (no padding and either no past or a single query)."""
+        (no padding and either no past or a single query).
+
+        `key_length`: a static cache's capacity. Its keys are always the whole buffer, so the mask is always built,
+        `[batch, 1, q, key_length]`, hiding the slots not written yet; `past_length` may then be a device tensor,
+        and no host sync is made (the decoding step compiles into one graph).
+
+        A 4-D `decoder_attention_mask` is taken as already prepared (`[batch, 1, q, keys]`, boolean or additive):
+        `generate()` builds one itself for a static cache."""
+        if decoder_attention_mask is not None and decoder_attention_mask.dim() == 4:
+            return decoder_attention_mask
+        if key_length is not None:
+            query_positions = (torch.arange(query_length, device=device) + past_length)[:, None]
+            allowed = (torch.arange(key_length, device=device)[None, :] <= query_positions)[None, None]
+            if decoder_attention_mask is not None:
+                written = decoder_attention_mask[:, :key_length].bool()
+                unwritten = written.new_ones(written.shape[0], key_length - written.shape[1])
+                allowed = allowed & torch.cat([written, unwritten], dim=1)[:, None, None, :]
+            allowed = allowed.expand(batch_size, 1, query_length, key_length)
+            return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
         total = past_length + query_length
         has_padding = decoder_attention_mask is not None and not bool(decoder_attention_mask[:, -total:].all())
         if not has_padding and (past_length == 0 or query_length == 1):
@@ -1457,10 +1518,11 @@ class FlexformerDecoder(_TransformerStack):
         if use_cache and past_key_values is None:
             past_key_values = new_decoder_cache(self.config)
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        hidden_states = self.embed(input_ids, past_length, inputs_embeds)
+        capacity = static_cache_capacity(past_key_values)
+        hidden_states = self.embed(input_ids, past_length, inputs_embeds, max_length=capacity)
         batch, q_len = hidden_states.shape[:2]
         self_mask = self.self_attention_mask(
-            batch, q_len, past_length, attention_mask, hidden_states.dtype, hidden_states.device
+            batch, q_len, past_length, attention_mask, hidden_states.dtype, hidden_states.device, key_length=capacity
         )
         cross_mask = padding_mask(encoder_attention_mask, hidden_states.dtype)
         all_hidden, all_self, all_cross = [], [], []
@@ -1790,6 +1852,10 @@ class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, GenerationMi
     base_model_class = FlexformerModel
     # `forward(**kwargs)` receives Trainer's `num_items_in_batch` and normalises the loss by it itself.
     accepts_loss_kwargs = True
+    # A decoding step with a static cache is one graph: `generate(cache_implementation="static")` compiles it on a
+    # GPU (CUDA graphs). A method whose decoding cannot run on a static cache names why here (and sets the flag off).
+    _can_compile_fullgraph = True
+    static_cache_unsupported_reason: str | None = None
 
     def __init__(self, config: FlexformerConfig):
         super().__init__(config)
@@ -1820,9 +1886,16 @@ class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, GenerationMi
         return self.model.decoder
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """Use a `SourceGroupedCache` when `generate()` repeats each source (beams or several samples)."""
+        """Use a `SourceGroupedCache` when `generate()` repeats each source (beams or several samples); refuse a
+        static cache where the method's decoding cannot use one."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         cache = model_kwargs.get("past_key_values")
+        if self.static_cache_unsupported_reason is not None and static_cache_capacity(cache) is not None:
+            raise ValueError(
+                f"{type(self).__name__} cannot generate with a static cache (cache_implementation="
+                f"{generation_config.cache_implementation!r} or a StaticCache passed in): "
+                f"{self.static_cache_unsupported_reason}. Use the default cache."
+            )
         if (
             type(cache) is EncoderDecoderCache
             and not getattr(cache, "_is_user_defined", False)

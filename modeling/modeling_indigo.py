@@ -427,6 +427,8 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
     (Algorithm 1: greedy, sampling, the two-step beam search of Sec. 4.3) in ``generate()``.
     """
 
+    _can_compile_fullgraph = False  # insertion decoding runs its own loop (`generate`), not a static-cache step
+
     config_class = InDIGOConfig
     base_model_class = InDIGOModel
     components = INDIGO_COMPONENTS
@@ -874,6 +876,12 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
         unknown = sorted(k for k in model_kwargs if k not in ("use_cache", "output_attentions", "output_hidden_states"))
         if unknown:
             raise ValueError(f"InDIGO generate() got unexpected arguments {unknown}")
+        if generation_config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(
+                f"InDIGO generate() keeps its own insertion-decoding state (pointer keys, relative positions that "
+                f"change as words are inserted); cache_implementation={generation_config.cache_implementation!r} "
+                "is not supported"
+            )
         if input_ids is None and encoder_outputs is None:
             raise ValueError("generate() needs input_ids (or encoder_outputs)")
         if attention_mask is None and input_ids is not None:

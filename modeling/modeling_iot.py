@@ -356,9 +356,15 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
     - In eval mode (and during generation) each sentence takes its argmax orders (Eq. 4); a batch mixing orders
       runs through the backbone once with a ``PerRowSublayerOrder``.
     - ``generate()`` predicts the orders, sorts the batch so sentences sharing an order are contiguous, decodes
-      (every ``GenerationConfig`` option works), and restores the input order. ``encoder_order=`` /
+      (every ``GenerationConfig`` option works but a static cache), and restores the input order. ``encoder_order=`` /
       ``decoder_order=`` (paper codes) force one order for the whole batch (Fig. 2 analysis).
     """
+
+    _can_compile_fullgraph = False
+    static_cache_unsupported_reason = (
+        "sentences decoding in different sub-layer orders write the self-attention cache row block by row block "
+        "(StepKVCollector), which extends a cache holding exactly the past"
+    )
 
     config_class = IOTConfig
     base_model_class = IOTModel

@@ -4,13 +4,14 @@ import math
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, GenerationConfig
-from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
+from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, CompileConfig, GenerationConfig
+from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache, StaticCache
 
 import flexformers  # noqa: F401  (registers the model types)
 from configuration import PRESETS, FlexformerConfig
 from modeling.modeling_flexformer import (
     BranchMergeLinear,
+    FlexformerDecoder,
     FlexformerForConditionalGeneration,
     FlexformerModel,
     PerRowSublayerOrder,
@@ -24,7 +25,9 @@ from modeling.modeling_flexformer import (
     new_decoder_cache,
     token_loss_terms,
     sinusoidal_table,
+    static_cache_capacity,
 )
+from modeling.modeling_flexformer import _positions_for
 from tests.conftest import tiny_config_kwargs
 
 PAD = 1
@@ -519,6 +522,94 @@ def test_generation_with_preallocated_cache_equals_dynamic_cache(options):
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(ours.scores, plain.scores))
     assert type(ours.past_key_values.self_attention_cache.layers[0]) is PreallocatedKVLayer
     assert type(plain.past_key_values.self_attention_cache.layers[0]) is DynamicLayer
+
+
+# ---- static cache (generate(cache_implementation="static"), the compiled decoding step) ---------------------------
+
+
+def test_positions_after_a_tensor_past_length_equal_those_after_an_int():
+    ids = torch.tensor([[7, 8, 9], [7, PAD, 9]])
+    for past in (0, 3):
+        assert torch.equal(_positions_for(ids, PAD, torch.tensor(past)), _positions_for(ids, PAD, past))
+    assert torch.equal(_positions_for(ids, PAD, torch.tensor(0)), make_positions(ids, PAD))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_static_cache_mask_is_the_dynamic_mask_with_unwritten_slots_hidden(padded):
+    """With a static cache the keys are the whole buffer: the mask covers all of it, hides the slots after the
+    query's position, and otherwise equals the dynamic cache's mask over the filled part."""
+    batch_size, past, capacity = 2, 3, 8
+    decoder_mask = torch.ones(batch_size, past + 1, dtype=torch.long)
+    if padded:
+        decoder_mask[1, 0] = 0
+    dynamic = FlexformerDecoder.self_attention_mask(batch_size, 1, past, decoder_mask, torch.float32, "cpu")
+    static = FlexformerDecoder.self_attention_mask(
+        batch_size, 1, torch.tensor(past), decoder_mask, torch.float32, "cpu", key_length=capacity
+    )
+    assert static.shape == (batch_size, 1, 1, capacity)
+    filled = static[..., : past + 1]
+    if dynamic is None:
+        assert bool((filled == 0).all())
+    else:
+        assert torch.equal(filled, dynamic)
+    assert bool((static[..., past + 1 :] == torch.finfo(torch.float32).min).all())
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(do_sample=False),
+        dict(num_beams=4, length_penalty=1.2),
+        dict(num_beams=3, num_return_sequences=2),
+        dict(do_sample=True, top_k=5),
+    ],
+)
+@pytest.mark.parametrize("learned_pos", [False, True])
+def test_static_cache_generation_equals_default_cache(options, learned_pos):
+    model = tiny_model(decoder_learned_pos=learned_pos, encoder_learned_pos=learned_pos)
+    source, _ = batch()
+    kwargs = dict(max_new_tokens=12, return_dict_in_generate=True, output_scores=True, **options)
+    torch.manual_seed(3)
+    default = model.generate(source, **kwargs)
+    torch.manual_seed(3)
+    static = model.generate(source, cache_implementation="static", **kwargs)
+    assert static_cache_capacity(static.past_key_values) is not None
+    assert torch.equal(static.sequences, default.sequences)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(static.scores, default.scores))
+
+
+def test_static_cache_incremental_decoding_equals_full_forward():
+    """A StaticCache passed to `forward` step by step (the past length a device tensor) gives the full logits."""
+    model = tiny_model()
+    source, target = batch()
+    cache = EncoderDecoderCache(
+        StaticCache(config=model.config, max_cache_len=16),
+        StaticCache(config=model.config, max_cache_len=source.shape[1]),
+    )
+    with torch.no_grad():
+        full = model(input_ids=source, decoder_input_ids=target).logits
+        incremental = incremental_logits(model, source, target, cache=cache)
+    torch.testing.assert_close(incremental, full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("options", [dict(do_sample=False), dict(do_sample=True, top_k=5)])
+def test_static_cache_decoding_step_compiles_into_one_graph(options):
+    """What `generate()` compiles on a GPU — the decoding step with a static cache — traces as one graph
+    (`fullgraph=True` turns any graph break into an error) and gives the default cache's tokens. The "eager"
+    backend checks the capture without compiling code, so this runs on a CPU in seconds."""
+    torch._dynamo.reset()
+    model = tiny_model()
+    source, _ = batch()
+    compile_config = CompileConfig(fullgraph=True, backend="eager", mode=None)
+    compile_config._compile_all_devices = True  # generate() compiles only on accelerators unless told
+    torch.manual_seed(5)
+    default = model.generate(source, max_new_tokens=8, **options)
+    torch.manual_seed(5)
+    compiled = model.generate(
+        source, max_new_tokens=8, cache_implementation="static", compile_config=compile_config, **options
+    )
+    assert hasattr(model, "_compiled_call")
+    assert torch.equal(compiled, default)
 
 
 def test_vocabulary_projection_equals_linear_with_and_without_gradients():

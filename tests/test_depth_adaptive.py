@@ -349,6 +349,13 @@ def test_generate_honours_generation_config_and_returns_exits_with_dict_outputs(
     assert bool((output.exits[valid] == 2).all())
 
 
+def test_generate_refuses_a_static_cache_by_name():
+    model = make_model()
+    source, _ = make_batch()
+    with pytest.raises(ValueError, match="DepthAdaptiveForConditionalGeneration cannot generate with a static cache"):
+        model.generate(source, max_new_tokens=4, cache_implementation="static")
+
+
 def test_generate_reads_exit_settings_from_the_models_own_generation_config():
     """Without a passed generation config, exit settings on `model.generation_config` apply; an explicit argument
     still wins."""

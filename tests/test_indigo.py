@@ -403,6 +403,11 @@ def test_generate_accepts_trainer_arguments(model, source):
     assert out.dtype == torch.long and out.shape[0] == 3
 
 
+def test_generate_refuses_a_static_cache_by_name(model, source):
+    with pytest.raises(ValueError, match="cache_implementation='static'"):
+        model.generate(source, max_new_tokens=4, cache_implementation="static")
+
+
 def test_save_and_load_round_trip(model, source, tmp_path):
     model.save_pretrained(tmp_path)
     loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()

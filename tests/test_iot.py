@@ -378,6 +378,13 @@ def test_mixed_order_generation_equals_per_sentence_generation(options):
         assert torch.equal(got[:, : reference.shape[1]], reference)
 
 
+def test_generate_refuses_a_static_cache_by_name():
+    model = tiny_iot().eval()
+    input_ids, mask, _ = batch()
+    with pytest.raises(ValueError, match="IOTForConditionalGeneration cannot generate with a static cache"):
+        model.generate(input_ids, attention_mask=mask, max_new_tokens=4, cache_implementation="static")
+
+
 def test_beam_search_over_an_even_mix_of_four_orders_attends_once_per_sentence(monkeypatch):
     """Sentence i takes decoder order i mod 4 (as in bench_iot): some sub-layer stages then run on gathered,
     non-contiguous rows; their cross-attention reads one key/value copy per sentence (its beams' queries folded)

@@ -325,6 +325,18 @@ def test_single_branch_without_drop_equals_the_baseline(batch):
         assert torch.equal(expected.loss, actual.loss)
 
 
+@pytest.mark.parametrize("options", [dict(do_sample=False), dict(num_beams=3, num_return_sequences=2)])
+def test_static_cache_generation_equals_default_cache(batch, options):
+    """MAT's branches live inside the backbone's attention and FFN, so its decoding step runs on a static cache
+    (and compiles) like the baseline's."""
+    torch.manual_seed(8)
+    mat = MATForConditionalGeneration(MATConfig(**TINY, drop_branch_rate=0.0)).eval()
+    kwargs = dict(attention_mask=batch["attention_mask"], max_new_tokens=8, **options)
+    default = mat.generate(batch["input_ids"], **kwargs)
+    static = mat.generate(batch["input_ids"], cache_implementation="static", **kwargs)
+    assert torch.equal(static, default)
+
+
 def test_proximal_initialisation_equals_its_baseline(baseline_dir, batch):
     baseline = FlexformerForConditionalGeneration.from_pretrained(baseline_dir).eval()
     mat = MATForConditionalGeneration.from_baseline(
