@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU rows of docs/BENCHMARKS.md in one go, on a machine with a CUDA GPU and PyTorch but no network.
 #
-#     bash benchmarks/gpu_suite.sh [check] [backbone] [profile] [indigo] [depth_adaptive] [iot] [mat]  (default: all)
-#                                  [backbone_blocked] [backbone_b256]   (schedule and batch-size checks)
-#                                  [static]   (static cache + compiled decoding step: tokens, then speed)
+#     bash benchmarks/gpu_suite.sh [check] [backbone] [static] [profile] [indigo] [depth_adaptive] [iot] [mat]
+#                                  (default: all of these)
+#                                  [backbone_blocked] [backbone_b256] [static_b256]   (schedule and batch-size checks)
+#     static: generation with a static cache, whose decoding step generate() compiles (CUDA graphs): the tokens
+#     against the default cache (check_static_cache.py), then bench_backbone --static-cache.
 #
 # Wheels for what the machine lacks are read from .whl/ (keep it out of git). For a Python 3.12 x86-64 machine,
 # fetch them where pip has a network (antlr4 4.9.3 exists only as an sdist, so it is built locally):
@@ -24,7 +26,7 @@ mkdir -p "$OUT"
 trap 'tar -czf "$PACK/gpu-results.tar.gz" -C "$(dirname "$OUT")" gpu-results' EXIT
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(check backbone profile indigo depth_adaptive iot mat)
+[ ${#parts[@]} -eq 0 ] && parts=(check backbone static profile indigo depth_adaptive iot mat)
 
 if ls .whl/transformers-*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -66,6 +68,8 @@ for part in "${parts[@]}"; do
         static) run static_check 180 python3 benchmarks/check_static_cache.py --device cuda
             run backbone_static 390 python3 benchmarks/bench_backbone.py --device cuda --repeats 10 --static-cache \
             --precision fp32 bf16 "${FAIRSEQ_ARGS[@]}" --json "$OUT/backbone_static.json" ;;
+        static_b256) run backbone_static_b256 300 python3 benchmarks/bench_backbone.py --device cuda --repeats 5 \
+            --static-cache --batch 256 --json "$OUT/backbone_static_b256.json" ;;
         profile) run profile 200 python3 benchmarks/profile_backbone.py --device cuda --top 25 --repeats 10 ;;
         indigo) run indigo 240 python3 benchmarks/bench_indigo.py --device cuda --repeats 5 --precision fp32 bf16 \
             --json "$OUT/indigo.json" ;;

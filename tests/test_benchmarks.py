@@ -1,5 +1,5 @@
-"""The benchmark tooling itself: the device check runs end to end (here CPU against CPU, so every check must pass
-exactly), and the shared timing helper times each function once per round in both schedules."""
+"""The benchmark tooling itself: the device and static-cache checks run end to end (here on the CPU, so every check
+must pass exactly), and the shared timing helper times each function once per round in both schedules."""
 
 from __future__ import annotations
 
@@ -37,3 +37,15 @@ def test_check_device_passes_on_the_cpu():
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "0 failed" in result.stdout and result.stdout.count("ok  ") == 24
+
+
+@pytest.mark.slow
+def test_check_static_cache_passes_on_the_cpu():
+    """Paper-size greedy and beam-5 with a static cache, the decoding step captured in one graph, equal the default
+    cache's tokens (the script the GPU rows of the compiled step come from)."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "check_static_cache.py"), "--device", "cpu", "--batch", "4"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("static tokens identical") == 2
