@@ -356,8 +356,8 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
     - In eval mode (and during generation) each sentence takes its argmax orders (Eq. 4); a batch mixing orders
       runs through the backbone once with a ``PerRowSublayerOrder``.
     - ``generate()`` predicts the orders, sorts the batch so sentences sharing an order are contiguous, decodes
-      (every ``GenerationConfig`` option works but a static cache), and restores the input order. ``encoder_order=`` /
-      ``decoder_order=`` (paper codes) force one order for the whole batch (Fig. 2 analysis).
+      (every ``GenerationConfig`` option works but a static cache), and restores the input order.
+      ``encoder_order=`` / ``decoder_order=`` (paper codes) force one order for the whole batch (Fig. 2 analysis).
     """
 
     _can_compile_fullgraph = False
