@@ -147,21 +147,25 @@ def training_step(model, batch, precision: str):
     return step
 
 
-def generation_call(model, batch, num_beams: int, new_tokens: int):
+def generation_call(model, batch, num_beams: int, new_tokens: int, cache_implementation: str | None = None):
     input_ids, attention_mask, _ = batch
+    cache = {"cache_implementation": cache_implementation} if cache_implementation else {}
 
     def generate():
         with torch.inference_mode():
             model.generate(
                 input_ids=input_ids, attention_mask=attention_mask, num_beams=num_beams, do_sample=False,
-                max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                max_new_tokens=new_tokens, min_new_tokens=new_tokens, **cache,
             )
 
     return generate
 
 
-def measure(models: dict, batch, precision: str, train_steps: int, repeats: int, new_tokens: int) -> list[dict]:
-    """Training step (target tokens/s), greedy and beam-5 generation (sentences/s) of every model."""
+def measure(
+    models: dict, batch, precision: str, train_steps: int, repeats: int, new_tokens: int, static_cache: bool = False
+) -> list[dict]:
+    """Training step (target tokens/s), greedy and beam-5 generation (sentences/s) of every model; with
+    `static_cache`, also greedy with a static cache (compiled by `generate()` on a GPU) for the fused models."""
     input_ids, _, labels = batch
     train = interleaved(
         {name: training_step(model, batch, precision) for name, model in models.items()}, warmup=2, repeats=train_steps
@@ -174,6 +178,16 @@ def measure(models: dict, batch, precision: str, train_steps: int, repeats: int,
     beam = interleaved(
         {name: generation_call(model, batch, 5, new_tokens) for name, model in models.items()}, warmup=1, repeats=repeats
     )
+    greedy_static = {}
+    if static_cache:
+        greedy_static = interleaved(
+            {
+                name: generation_call(model, batch, 1, new_tokens, "static")
+                for name, model in models.items()
+                if "loop" not in name  # the naive reference is not what anyone would compile
+            },
+            warmup=2, repeats=repeats,
+        )
     for model in models.values():
         model.float()
     return [
@@ -184,6 +198,7 @@ def measure(models: dict, batch, precision: str, train_steps: int, repeats: int,
             "greedy_sentences_per_s": input_ids.shape[0] / greedy[name],
             "beam5_sentences_per_s": input_ids.shape[0] / beam[name],
         }
+        | ({"greedy_static_sentences_per_s": input_ids.shape[0] / greedy_static[name]} if name in greedy_static else {})
         for name in models
     ]
 
@@ -211,6 +226,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--drop_branch_rate", type=float, default=0.2)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (timed calls end synchronised)")
+    parser.add_argument("--static-cache", action="store_true",
+                        help="also greedy with a static cache (generate() compiles the decoding step on a GPU)")
     parser.add_argument("--output", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -233,7 +250,9 @@ def main(argv=None) -> dict:
     }
     print(f"parameters: {results['parameters']}; loop vs fused max |Δlogit| = {max_difference:.2e}, same beam-5 output: {same_beams}", flush=True)
     for precision in args.precisions:
-        for row in measure(models, batch, precision, args.train_steps, args.repeats, args.target_length):
+        for row in measure(
+            models, batch, precision, args.train_steps, args.repeats, args.target_length, args.static_cache
+        ):
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
 
@@ -251,6 +270,10 @@ def main(argv=None) -> dict:
         for key in ("train_target_tokens_per_s", "greedy_sentences_per_s", "beam5_sentences_per_s"):
             ratios[key] = {"mat_over_baseline": base[key] / fused[key], "fused_over_loop": loop[key] / fused[key]}
             print(f"  {precision} {key}: MAT/baseline time {ratios[key]['mat_over_baseline']:.2f}, fused/loop time {ratios[key]['fused_over_loop']:.2f}")
+        if "greedy_static_sentences_per_s" in fused:
+            key = "greedy_static_sentences_per_s"
+            ratios[key] = {"mat_over_baseline": base[key] / fused[key]}
+            print(f"  {precision} {key}: MAT/baseline time {ratios[key]['mat_over_baseline']:.2f}")
         results.setdefault("time_ratios", {})[precision] = ratios
     if args.output:
         with open(args.output, "w", encoding="utf-8") as handle:
