@@ -98,6 +98,8 @@ def main():
     parser.add_argument("--sao-beam", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-train", action="store_true")
+    parser.add_argument("--sao-cuda-graphs", action="store_true",
+                        help="also the SAO rows with the search replayed as CUDA graphs (a GPU only)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
@@ -140,16 +142,27 @@ def main():
             sao_best = InDIGOForConditionalGeneration(indigo_config).to(device)
             sao_best.use_searched_orders, sao_best.sao_beam_size, sao_best.sao_train_orders = True, args.sao_beam, 1
             baseline_batch = {"input_ids": source, "labels": target}
-            train = interleaved(
-                {
-                    "baseline": train_fn(baseline, baseline_batch, precision),
-                    "indigo_l2r": train_fn(indigo, l2r_batch, precision),
-                    f"sao_b{args.sao_beam}_eq12_all_orders": train_fn(sao_all, sao_batch, precision),
-                    f"sao_b{args.sao_beam}_best_order": train_fn(sao_best, sao_batch, precision),
-                    f"sao_b{args.sao_beam}_search_only": search_fn(sao_all, sao_batch, args.sao_beam, precision),
-                },
-                args.repeats,
-            )
+            tasks = {
+                "baseline": train_fn(baseline, baseline_batch, precision),
+                "indigo_l2r": train_fn(indigo, l2r_batch, precision),
+                f"sao_b{args.sao_beam}_eq12_all_orders": train_fn(sao_all, sao_batch, precision),
+                f"sao_b{args.sao_beam}_best_order": train_fn(sao_best, sao_batch, precision),
+                f"sao_b{args.sao_beam}_search_only": search_fn(sao_all, sao_batch, args.sao_beam, precision),
+            }
+            if args.sao_cuda_graphs:
+                graphed_all = InDIGOForConditionalGeneration(indigo_config).to(device)
+                graphed_best = InDIGOForConditionalGeneration(indigo_config).to(device)
+                for model, keep in ((graphed_all, None), (graphed_best, 1)):
+                    model.use_searched_orders, model.sao_beam_size, model.sao_train_orders = True, args.sao_beam, keep
+                    model.sao_search_cuda_graphs = True
+                tasks |= {
+                    f"sao_b{args.sao_beam}_eq12_all_orders_cuda_graphs": train_fn(graphed_all, sao_batch, precision),
+                    f"sao_b{args.sao_beam}_best_order_cuda_graphs": train_fn(graphed_best, sao_batch, precision),
+                    f"sao_b{args.sao_beam}_search_only_cuda_graphs": search_fn(
+                        graphed_all, sao_batch, args.sao_beam, precision
+                    ),
+                }
+            train = interleaved(tasks, args.repeats)
             row["train_step_s"] = train
             row["train_ratio_to_l2r"] = {k: v / train["indigo_l2r"] for k, v in train.items()}
         results[precision] = row

@@ -3,10 +3,10 @@
 #
 #     bash benchmarks/gpu_suite.sh [check] [backbone] [static] [profile] [indigo] [depth_adaptive] [iot] [mat]
 #                                  (default: all of these)
-#                                  [backbone_blocked] [backbone_b256] [static_b256] [mat_static]
+#                                  [backbone_blocked] [backbone_b256] [static_b256] [mat_static] [indigo_graphs]
 #     static: generation with a static cache, whose decoding step generate() compiles (CUDA graphs): the tokens
 #     against the default cache (check_static_cache.py), then bench_backbone --static-cache; mat_static: bench_mat
-#     with a static-cache (compiled) greedy row.
+#     with a static-cache (compiled) greedy row; indigo_graphs: the SAO search as CUDA graphs (check, then speed).
 #
 # Wheels for what the machine lacks are read from .whl/ (keep it out of git). For a Python 3.12 x86-64 machine,
 # fetch them where pip has a network (antlr4 4.9.3 exists only as an sdist, so it is built locally):
@@ -73,6 +73,9 @@ for part in "${parts[@]}"; do
             --static-cache --batch 256 --json "$OUT/backbone_static_b256.json" ;;
         mat_static) run mat_static 420 python3 benchmarks/bench_mat.py --device cuda --train_steps 5 --repeats 5 \
             --static-cache --output "$OUT/mat_static.json" ;;
+        indigo_graphs) run sao_graphs_check 240 python3 benchmarks/check_sao_graphs.py --device cuda
+            run indigo_graphs 360 python3 benchmarks/bench_indigo.py --device cuda --repeats 5 --sao-cuda-graphs \
+            --json "$OUT/indigo_graphs.json" ;;
         profile) run profile 200 python3 benchmarks/profile_backbone.py --device cuda --top 25 --repeats 10 ;;
         indigo) run indigo 240 python3 benchmarks/bench_indigo.py --device cuda --repeats 5 --precision fp32 bf16 \
             --json "$OUT/indigo.json" ;;

@@ -1338,10 +1338,16 @@ class FlexformerDecoderLayer(_ReorderableLayer):
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def host_sync_forbidden(tensor: torch.Tensor) -> bool:
+    """True while `torch.compile` traces or a CUDA graph is being captured on `tensor`'s device: reading a device
+    value on the host (a sync) is then not allowed, and code that would look at one takes the path that needs none."""
+    return torch.compiler.is_compiling() or (tensor.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def padding_mask(attention_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """Additive key mask `[batch, 1, 1, keys]` from a 0/1 mask, or None when nothing is masked (fast SDPA path)."""
-    # While compiling, the mask is built even when it hides nothing: the all-ones check is a host sync.
-    if attention_mask is None or (not torch.compiler.is_compiling() and bool(attention_mask.all())):
+    """Additive key mask `[batch, 1, 1, keys]` from a 0/1 mask, or None when nothing is masked (fast SDPA path).
+    While compiling or capturing a CUDA graph the mask is built even when it hides nothing (the check is a sync)."""
+    if attention_mask is None or (not host_sync_forbidden(attention_mask) and bool(attention_mask.all())):
         return None
     keep = attention_mask.bool()[:, None, None, :]
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
@@ -2027,6 +2033,7 @@ __all__ = [
     "SinusoidalPositionalEmbedding",
     "SourceGroupedCache",
     "StepKVCollector",
+    "host_sync_forbidden",
     "label_smoothed_nll_loss",
     "make_positions",
     "shift_tokens_right",

@@ -3,6 +3,7 @@ incremental decoding, generate (greedy / beam / sampling), SAO (Sec. 4.2)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import random
 
@@ -510,6 +511,72 @@ def test_sao_training_loss_averages_the_found_orders(source):
     model.train()
     model(**batch).loss.backward()
     assert model.pointer_query_proj.weight.grad is not None
+
+
+def test_sao_cuda_graph_switch_is_inert_without_a_gpu(source):
+    """`sao_search_cuda_graphs` replays the search as CUDA graphs on a GPU only; on a CPU the search runs as is."""
+    from modeling.modeling_indigo import _CAPTURED_SEARCHES
+
+    torch.manual_seed(0)
+    model = InDIGOForConditionalGeneration(tiny_config())
+    model.sao_search_dropout = False
+    targets = torch.tensor([[12, 13, 14, 2], [15, 16, 2, 1]])
+    lengths = torch.tensor([4, 3])
+    with torch.no_grad():
+        encoder = model.model.encoder(source[:2], attention_mask=source[:2].ne(1)).last_hidden_state
+    plain = model.search_adaptive_orders(encoder, source[:2].ne(1), targets, lengths, beam_size=3)
+    model.sao_search_cuda_graphs = True
+    switched = model.search_adaptive_orders(encoder, source[:2].ne(1), targets, lengths, beam_size=3)
+    assert torch.equal(plain[0], switched[0]) and torch.equal(plain[1], switched[1])
+    assert model not in _CAPTURED_SEARCHES
+
+
+class _FakeGraph:
+    """Stands in for a captured CUDA graph: replay re-runs the captured function on the static inputs."""
+
+    def __init__(self, replay):
+        self.replay = replay
+
+
+def test_captured_searches_copy_inputs_in_clone_outputs_out_and_keep_the_recent_shapes(monkeypatch):
+    """The graph cache's own logic, with the capture faked (no GPU here): the first call of a shape captures, later
+    calls copy their inputs into the graph's buffers and get clones of its outputs; the least recently used shape
+    is dropped beyond `max_graphs`; the key follows shapes, mode and parameter addresses."""
+    from modeling.modeling_indigo import CapturedSearches
+
+    captures = []
+
+    def fake_capture(search, inputs):
+        static_inputs = tuple(t.clone() for t in inputs)
+        static_outputs = (torch.empty_like(static_inputs[0]),)
+
+        def replay():
+            static_outputs[0].copy_(search(*static_inputs)[0])
+
+        captures.append(tuple(t.shape for t in inputs))
+        return _FakeGraph(replay), static_inputs, static_outputs
+
+    monkeypatch.setattr(CapturedSearches, "_capture", staticmethod(fake_capture))
+    monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())  # CUDA's, not here
+    graphs = CapturedSearches(max_graphs=2)
+    model = torch.nn.Linear(2, 2)
+    double = lambda x: (2 * x,)  # noqa: E731
+    first = graphs.run(graphs.key(model, (torch.ones(3),)), double, (torch.ones(3),))
+    again = graphs.run(graphs.key(model, (torch.ones(3),)), double, (torch.full((3,), 5.0),))
+    assert torch.equal(first[0], torch.full((3,), 2.0)) and torch.equal(again[0], torch.full((3,), 10.0))
+    assert len(captures) == 1 and len(graphs) == 1
+    again[0].add_(1)  # outputs are clones: the graph's buffer is untouched
+    assert torch.equal(graphs.run(graphs.key(model, (torch.ones(3),)), double, (torch.ones(3),))[0], first[0])
+    for size in (4, 5):
+        graphs.run(graphs.key(model, (torch.ones(size),)), double, (torch.ones(size),))
+    assert len(graphs) == 2 and len(captures) == 3  # shape 3 was the least recently used: dropped
+    graphs.run(graphs.key(model, (torch.ones(3),)), double, (torch.ones(3),))
+    assert len(captures) == 4
+    key = graphs.key(model, (torch.ones(3),))
+    model.train(False)
+    assert graphs.key(model, (torch.ones(3),)) != key  # the mode decides dropout
+    model.weight = torch.nn.Parameter(model.weight.detach().clone())
+    assert graphs.key(model, (torch.ones(3),))[3] != key[3]  # replaced parameters: a new graph
 
 
 def test_sao_order_weights():

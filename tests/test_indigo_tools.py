@@ -39,9 +39,10 @@ def test_method_spec_and_arguments():
         InDIGOArguments(order="sao", sao_beam_size=4, sao_train_orders=5)
     config = update_indigo_config(tiny_config(), InDIGOArguments(indigo_encoder_positions=False))
     assert config.encoder_use_positions is False
-    args = InDIGOArguments(order="sao", sao_beam_size=3, sao_bootstrap_steps=5, sao_train_orders=2)
+    args = InDIGOArguments(order="sao", sao_beam_size=3, sao_bootstrap_steps=5, sao_train_orders=2, sao_cuda_graphs=True)
     model = build_indigo_model(None, args, tiny_config(), None)
     assert (model.sao_beam_size, model.sao_train_orders, model.use_searched_orders) == (3, 2, False)
+    assert model.sao_search_cuda_graphs is True
     callbacks = make_indigo_callbacks(args)
     assert len(callbacks) == 1 and isinstance(callbacks[0], SAOBootstrapCallback)
 
