@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU rows of docs/BENCHMARKS.md in one go, on a machine with a CUDA GPU and PyTorch but no network.
 #
-#     bash benchmarks/gpu_suite.sh [check] [backbone] [static] [profile] [indigo] [depth_adaptive] [iot] [mat]
-#                                  (default: all of these)
-#                                  [backbone_blocked] [backbone_b256] [static_b256] [mat_static] [indigo_graphs]
+#     bash benchmarks/gpu_suite.sh [check] [backbone] [static] [profile] [indigo] [indigo_graphs] [depth_adaptive]
+#                                  [iot] [mat]   (default: all of these)
+#                                  [backbone_blocked] [backbone_b256] [static_b256] [mat_static]
 #     static: generation with a static cache, whose decoding step generate() compiles (CUDA graphs): the tokens
 #     against the default cache (check_static_cache.py), then bench_backbone --static-cache; mat_static: bench_mat
 #     with a static-cache (compiled) greedy row; indigo_graphs: the SAO search as CUDA graphs (check, then speed).
@@ -27,7 +27,7 @@ mkdir -p "$OUT"
 trap 'tar -czf "$PACK/gpu-results.tar.gz" -C "$(dirname "$OUT")" gpu-results' EXIT
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(check backbone static profile indigo depth_adaptive iot mat)
+[ ${#parts[@]} -eq 0 ] && parts=(check backbone static profile indigo indigo_graphs depth_adaptive iot mat)
 
 if ls .whl/transformers-*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
