@@ -1,7 +1,8 @@
 """Does the SAO search replayed as CUDA graphs (`model.sao_search_cuda_graphs`) find what the eager search finds?
 
 At paper size (vocabulary 10152, batch 32 × 30, B = 8) on a GPU:
-- without dropout (`sao_search_dropout = False`) the graph's orders equal the eager search's and its scores agree;
+- without dropout (`sao_search_dropout = False`) the graph's orders equal the eager search's and its scores agree
+  (a shape's first call runs eagerly, the second captures);
 - after an optimizer step (parameters updated in place) the replayed graph still equals the eager search;
 - with dropout two replays draw different noise, and every returned order is a permutation of its sentence;
 - a training step with searched orders runs on the graph and gives a finite loss.
@@ -60,8 +61,9 @@ def main() -> int:
     model.train()
     model.sao_search_dropout = False  # the search runs in eval mode: no noise, so graph and eager must agree
     encoder = encode()
-    eager, graphed = search(False, encoder), search(True, encoder)
-    graphed_again = search(True, encoder)  # a replay of the captured graph
+    eager = search(False, encoder)
+    search(True, encoder)  # a shape's first call runs eagerly; the second captures the graph and replays it
+    graphed, graphed_again = search(True, encoder), search(True, encoder)
     finite = torch.isfinite(eager[1])
     check("no dropout: graph orders equal eager orders", torch.equal(eager[0], graphed[0]))
     check("no dropout: replay equals the first graph call", torch.equal(graphed[0], graphed_again[0]))
@@ -82,9 +84,11 @@ def main() -> int:
     check("after an optimizer step: graph orders equal eager orders", torch.equal(eager[0], graphed[0]))
     check("still one graph (parameters updated in place)", len(_CAPTURED_SEARCHES[model]) == 1)
 
-    model.sao_search_dropout = True  # the paper's noise
+    model.sao_search_dropout = True  # the paper's noise (train mode: a new shape key, so seen once, then captured)
     encoder = encode()
+    search(True, encoder)
     first, second = search(True, encoder), search(True, encoder)
+    check("dropout: a second graph (train mode)", len(_CAPTURED_SEARCHES[model]) == 2)
     check("dropout: two replays draw different noise", not torch.equal(first[1], second[1]))
     lengths = batch["target_lengths"].tolist()
     permutations = all(

@@ -417,13 +417,16 @@ class CapturedSearches:
     input shape into one graph and replayed: the inputs are copied into the graph's own buffers, the outputs cloned
     out. Replays read the parameters where they live (optimizer steps update them in place; the key holds their
     addresses, so moved or replaced parameters get a new graph) and draw fresh dropout noise (a graph advances the
-    generator's offset). The first call of a shape runs the search twice eagerly (warm-up) and captures it; the
-    ``max_graphs`` most recently used shapes are kept, each with its own memory pool.
+    generator's offset). A shape's first call runs eagerly; its second runs the search twice more eagerly (warm-up)
+    and captures it, so a shape seen once costs nothing extra; the ``max_graphs`` most recently used shapes keep
+    their graphs, each with its own memory pool.
     """
 
-    def __init__(self, max_graphs: int = 4):
+    def __init__(self, max_graphs: int = 8, max_sightings: int = 256):
         self.max_graphs = max_graphs
+        self.max_sightings = max_sightings
         self._graphs: "OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, tuple, tuple]]" = OrderedDict()
+        self._sightings: "OrderedDict[tuple, None]" = OrderedDict()  # shapes run once, eagerly
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -436,11 +439,17 @@ class CapturedSearches:
         return shapes, autocast, model.training, parameters, settings
 
     def run(self, key: tuple, search: Callable, inputs: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor, ...]:
+        entry = self._graphs.get(key)
+        if entry is None and key not in self._sightings:
+            self._sightings[key] = None
+            while len(self._sightings) > self.max_sightings:
+                self._sightings.popitem(last=False)
+            return search(*inputs)
         enabled, dtype = key[1]
         # Autocast's weight-cast cache must not hand casts made outside the graph to the capture (stale on replay).
         with torch.autocast("cuda", dtype=dtype, enabled=enabled, cache_enabled=False):
-            entry = self._graphs.get(key)
             if entry is None:
+                self._sightings.pop(key)
                 entry = self._capture(search, inputs)
                 self._graphs[key] = entry
                 while len(self._graphs) > self.max_graphs:

@@ -539,9 +539,9 @@ class _FakeGraph:
 
 
 def test_captured_searches_copy_inputs_in_clone_outputs_out_and_keep_the_recent_shapes(monkeypatch):
-    """The graph cache's own logic, with the capture faked (no GPU here): the first call of a shape captures, later
-    calls copy their inputs into the graph's buffers and get clones of its outputs; the least recently used shape
-    is dropped beyond `max_graphs`; the key follows shapes, mode and parameter addresses."""
+    """The graph cache's own logic, with the capture faked (no GPU here): a shape's first call runs eagerly, its
+    second captures, later calls copy their inputs into the graph's buffers and get clones of its outputs; the
+    least recently used shape is dropped beyond `max_graphs`; the key follows shapes, mode and parameter addresses."""
     from modeling.modeling_indigo import CapturedSearches
 
     captures = []
@@ -561,6 +561,8 @@ def test_captured_searches_copy_inputs_in_clone_outputs_out_and_keep_the_recent_
     graphs = CapturedSearches(max_graphs=2)
     model = torch.nn.Linear(2, 2)
     double = lambda x: (2 * x,)  # noqa: E731
+    eager = graphs.run(graphs.key(model, (torch.ones(3),)), double, (torch.full((3,), 7.0),))
+    assert torch.equal(eager[0], torch.full((3,), 14.0)) and len(captures) == 0 and len(graphs) == 0
     first = graphs.run(graphs.key(model, (torch.ones(3),)), double, (torch.ones(3),))
     again = graphs.run(graphs.key(model, (torch.ones(3),)), double, (torch.full((3,), 5.0),))
     assert torch.equal(first[0], torch.full((3,), 2.0)) and torch.equal(again[0], torch.full((3,), 10.0))
@@ -568,8 +570,11 @@ def test_captured_searches_copy_inputs_in_clone_outputs_out_and_keep_the_recent_
     again[0].add_(1)  # outputs are clones: the graph's buffer is untouched
     assert torch.equal(graphs.run(graphs.key(model, (torch.ones(3),)), double, (torch.ones(3),))[0], first[0])
     for size in (4, 5):
-        graphs.run(graphs.key(model, (torch.ones(size),)), double, (torch.ones(size),))
+        for _ in range(2):  # seen, then captured
+            graphs.run(graphs.key(model, (torch.ones(size),)), double, (torch.ones(size),))
     assert len(graphs) == 2 and len(captures) == 3  # shape 3 was the least recently used: dropped
+    graphs.run(graphs.key(model, (torch.ones(3),)), double, (torch.ones(3),))
+    assert len(captures) == 3  # dropped means unseen again: eager first
     graphs.run(graphs.key(model, (torch.ones(3),)), double, (torch.ones(3),))
     assert len(captures) == 4
     key = graphs.key(model, (torch.ones(3),))

@@ -43,7 +43,8 @@ class InDIGOArguments:
     sao_cuda_graphs: bool = field(
         default=False,
         metadata={"help": "SAO: on a GPU, replay the search as CUDA graphs, one per batch shape (H100, batch 32: the "
-                  "SAO step 7.3x -> 2.6x an L2R step; each new shape is captured once; pad batches to few shapes)."},
+                  "SAO step 7.3x -> 2.6x an L2R step); a shape is captured at its second batch, so it pays when "
+                  "batches come in few shapes."},
     )
     sao_train_orders: int | None = field(
         default=None,
