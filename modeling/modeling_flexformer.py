@@ -1349,8 +1349,12 @@ def padding_mask(attention_mask: torch.Tensor | None, dtype: torch.dtype) -> tor
     While compiling or capturing a CUDA graph the mask is built even when it hides nothing (the check is a sync)."""
     if attention_mask is None or (not host_sync_forbidden(attention_mask) and bool(attention_mask.all())):
         return None
-    keep = attention_mask.bool()[:, None, None, :]
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
+    return additive_mask(attention_mask.bool()[:, None, None, :], dtype)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = may attend) as the additive logit mask: 0 where allowed, the dtype's minimum else."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def _layerdrop_skips(module: nn.Module, layerdrop: float) -> bool:
@@ -1478,25 +1482,21 @@ class FlexformerDecoder(_TransformerStack):
         `generate()` builds one itself for a static cache."""
         if decoder_attention_mask is not None and decoder_attention_mask.dim() == 4:
             return decoder_attention_mask
-        if key_length is not None:
-            query_positions = (torch.arange(query_length, device=device) + past_length)[:, None]
-            allowed = (torch.arange(key_length, device=device)[None, :] <= query_positions)[None, None]
-            if decoder_attention_mask is not None:
-                written = decoder_attention_mask[:, :key_length].bool()
-                unwritten = written.new_ones(written.shape[0], key_length - written.shape[1])
-                allowed = allowed & torch.cat([written, unwritten], dim=1)[:, None, None, :]
-            allowed = allowed.expand(batch_size, 1, query_length, key_length)
-            return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-        total = past_length + query_length
-        has_padding = decoder_attention_mask is not None and not bool(decoder_attention_mask[:, -total:].all())
-        if not has_padding and (past_length == 0 or query_length == 1):
-            return None
-        query_positions = torch.arange(past_length, total, device=device)[:, None]
-        allowed = (torch.arange(total, device=device)[None, :] <= query_positions)[None, None]
-        if has_padding:
-            allowed = allowed & decoder_attention_mask[:, None, None, -total:].bool()
-        allowed = allowed.expand(batch_size, 1, query_length, total)
-        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+        written = None  # [batch, key_length]: which key slots hold real (non-padding) tokens, None = all
+        if key_length is None:  # a cache holding exactly the past: the keys are past + new, right-aligned in the mask
+            key_length = past_length + query_length
+            if decoder_attention_mask is not None and not bool(decoder_attention_mask[:, -key_length:].all()):
+                written = decoder_attention_mask[:, -key_length:].bool()
+            if written is None and (past_length == 0 or query_length == 1):
+                return None
+        elif decoder_attention_mask is not None:  # static: slots past the mask's end are hidden by the causal part
+            written = decoder_attention_mask[:, :key_length].bool()
+            written = torch.cat([written, written.new_ones(written.shape[0], key_length - written.shape[1])], dim=1)
+        query_positions = (torch.arange(query_length, device=device) + past_length)[:, None]
+        allowed = (torch.arange(key_length, device=device)[None, :] <= query_positions)[None, None]
+        if written is not None:
+            allowed = allowed & written[:, None, None, :]
+        return additive_mask(allowed.expand(batch_size, 1, query_length, key_length), dtype)
 
     def run_layer(self, layer_idx: int, hidden_states: torch.Tensor, **layer_kwargs):
         """Run block `layer_idx`; returns (hidden_states, self-attention weights, cross-attention weights)."""
