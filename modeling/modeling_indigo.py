@@ -862,12 +862,11 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
         hidden, first = self._decoder_states(start, start_relations, encoder_hidden_states, attention_mask, first, True)
         first.self_attention_cache.batch_repeat_interleave(beams)
         cache = SourceGroupedCache(first.self_attention_cache, first.cross_attention_cache, beams)
-        hidden = hidden.repeat_interleave(beams, 0)
         # Eq. 9's word part W[y] of every candidate's pointer query: the references are fixed, so it is scored
         # once per key (ReferencePointerCache)
         pointer = ReferencePointerCache(self.get_decoder().embed_tokens(target_ids), beams, max_len + 2, hidden.dtype)
-        pointer.append(*self.pointer_keys(hidden))
-        last = hidden[:, -1]
+        pointer.append(*(keys.repeat_interleave(beams, 0) for keys in self.pointer_keys(hidden)))
+        last = hidden[:, -1].repeat_interleave(beams, 0)
         batch_offsets = torch.arange(batch, device=device).repeat_interleave(beams) * beams
         ref_positions = torch.arange(ref_width, device=device)
 

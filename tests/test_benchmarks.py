@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -49,3 +50,43 @@ def test_check_static_cache_passes_on_the_cpu():
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("static tokens identical") == 2
+
+
+@pytest.mark.parametrize("word_query_projection", [True, False])
+def test_sao_floor_prices_exactly_the_searchs_weight_products(word_query_projection, monkeypatch):
+    """`sao_floor.py`'s kernel floor runs the same weight-product arithmetic as the real SAO search (FLOPs of every
+    `mm`/`addmm`: its products plus the source keys/values it leaves out), no more and no less, so the floor it
+    prints is the search's own arithmetic at the best product speed."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from modeling import modeling_flexformer
+
+    # the FLOP counter sees `mm`/`addmm` only, not the packed oneDNN product: plain products on both sides
+    monkeypatch.setattr(modeling_flexformer, "PREPACK_INFERENCE_WEIGHTS", False)
+
+    from tests.conftest import tiny_config_kwargs
+    from configuration.configuration_indigo import InDIGOConfig
+    from modeling.modeling_indigo import InDIGOForConditionalGeneration
+    from sao_floor import SearchKernels
+
+    batch, length, beams = 3, 5, 4
+    torch.manual_seed(0)
+    config = InDIGOConfig(**tiny_config_kwargs(dropout=0.1, word_query_projection=word_query_projection))
+    model = InDIGOForConditionalGeneration(config).train()
+    source = torch.randint(5, config.vocab_size, (batch, length))
+    target_ids = torch.randint(5, config.vocab_size, (batch, length))
+    mask = torch.ones(batch, length, dtype=torch.long)
+    encoder_states = model.model.encoder(source, attention_mask=mask).last_hidden_state.detach()
+
+    def weight_product_flops(run) -> int:
+        with FlopCounterMode(display=False) as counter:
+            run()
+        counts = counter.get_flop_counts()["Global"]
+        return sum(counts.get(op, 0) for op in (torch.ops.aten.mm, torch.ops.aten.addmm))
+
+    search = weight_product_flops(
+        lambda: model.search_adaptive_orders(encoder_states, mask, target_ids, torch.full((batch,), length), beams)
+    )
+    kernels = SearchKernels(model, batch, length, beams)
+    floor = weight_product_flops(lambda: (kernels.products(), kernels.source_key_values()))
+    assert floor == search > 0
