@@ -306,3 +306,14 @@ def test_every_registered_model_type_trains_and_decodes(tmp_path, model_type):
     decoded = decode.run_from_argv(["--model_name_or_path", str(out), "--split", "validation", "--max_samples", "2",
                                     "--num_beams", "2", "--max_new_tokens", "6", "--num_samples_to_print", "0"])
     assert decoded["num_examples"] == 2 and set(decoded["metrics"]) >= {"bleu", "chrf", "ter", "pov"}
+
+
+def test_cpu_training_retains_freed_memory_unless_told_not_to(tmp_path, monkeypatch):
+    """flexformers-train switches glibc to keeping freed memory when it trains on the CPU (training_scripts/cpu_heap),
+    and leaves the allocator alone with --retain_cpu_memory false."""
+    calls = []
+    monkeypatch.setattr(train, "retain_freed_memory", lambda: calls.append("retain") or True)
+    train.run_from_argv(tiny_argv(tmp_path / "default", "--max_steps", "1"))
+    assert calls == ["retain"]
+    train.run_from_argv(tiny_argv(tmp_path / "off", "--max_steps", "1", "--retain_cpu_memory", "false"))
+    assert calls == ["retain"]

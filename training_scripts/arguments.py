@@ -46,6 +46,14 @@ class ModelArguments:
     max_train_minutes: float | None = field(
         default=None, metadata={"help": "Stop training (and save) after this many minutes of wall time."}
     )
+    retain_cpu_memory: bool = field(
+        default=True,
+        metadata={
+            "help": "Training on the CPU (glibc Linux): keep freed memory in the process heap instead of returning "
+            "it to the kernel, so steps stop page-faulting their tensors in anew (≈ 10% faster steps at IWSLT "
+            "size on 2 cores, a few % more resident memory). Changes the whole process's allocator."
+        },
+    )
 
 
 @dataclass

@@ -29,6 +29,7 @@ from transformers import HfArgumentParser, Seq2SeqTrainer, Seq2SeqTrainingArgume
 from transformers.trainer_utils import get_last_checkpoint
 
 from training_scripts.arguments import DataArguments, ModelArguments, describe_dataset, parse_config_overrides
+from training_scripts.cpu_heap import retain_freed_memory
 from training_scripts.data import load_corpus
 from training_scripts.metrics_utils import compute_generation_metrics
 from training_scripts.model_registry import MethodSpec, get_method_spec
@@ -365,6 +366,8 @@ def run(spec, model_args, data_args, training_args, method_args, extra_callbacks
     )
     transformers.utils.logging.set_verbosity_warning()
     set_seed(training_args.seed)
+    if model_args.retain_cpu_memory and training_args.do_train and training_args.device.type == "cpu":
+        retain_freed_memory()
     if training_args.generation_max_length is None:
         training_args.generation_max_length = data_args.max_target_length
     resume_checkpoint = find_resume_checkpoint(training_args)
