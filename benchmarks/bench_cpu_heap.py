@@ -35,23 +35,19 @@ def worker(model_name: str, heap: str, steps: int, threads: int) -> dict:
     import torch
 
     import bench_indigo as bench
-    from configuration.configuration_flexformer import FlexformerConfig
-    from configuration.configuration_indigo import InDIGOConfig
     from modeling.modeling_flexformer import FlexformerForConditionalGeneration
     from modeling.modeling_indigo import InDIGOForConditionalGeneration
-    from training_scripts.indigo_orders import InDIGODataCollator
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     source, target = bench.make_batch(32, 30)
-    common = dict(vocab_size=bench.VOCAB, label_smoothing=0.1)
+    baseline_config, indigo_config = bench.paper_configs()
     if model_name == "baseline":
-        model = FlexformerForConditionalGeneration(FlexformerConfig.from_preset("transformer_iwslt_de_en", **common))
+        model = FlexformerForConditionalGeneration(baseline_config)
         batch = {"input_ids": source, "labels": target}
     else:
-        model = InDIGOForConditionalGeneration(InDIGOConfig.from_preset("transformer_iwslt_de_en", **common))
-        features = [{"input_ids": s.tolist(), "labels": t.tolist()} for s, t in zip(source, target)]
-        batch = InDIGODataCollator(order="l2r", pad_to_multiple_of=None)(features)
+        model = InDIGOForConditionalGeneration(indigo_config)
+        batch = bench.insertion_batches(source, target)[0]
     step = bench.train_fn(model, batch, "fp32")
     seconds, faults = [], []
     for _ in range(steps):

@@ -46,6 +46,19 @@ def make_batch(batch: int, length: int, seed: int = 0):
     return source, target
 
 
+def paper_configs() -> tuple[FlexformerConfig, InDIGOConfig]:
+    """The baseline and InDIGO at `transformer_iwslt_de_en` size, vocabulary 10152, label smoothing 0.1."""
+    common = dict(vocab_size=VOCAB, label_smoothing=0.1)
+    return (FlexformerConfig.from_preset("transformer_iwslt_de_en", **common),
+            InDIGOConfig.from_preset("transformer_iwslt_de_en", **common))
+
+
+def insertion_batches(source: torch.Tensor, target: torch.Tensor) -> tuple[dict, dict]:
+    """InDIGO's collated L2R batch and its SAO batch (references for the search) of the same pairs."""
+    features = [{"input_ids": s.tolist(), "labels": t.tolist()} for s, t in zip(source, target)]
+    return tuple(InDIGODataCollator(order=order, pad_to_multiple_of=None)(features) for order in ("l2r", "sao"))
+
+
 def greedy_fn(model, source, length):
     model = model.eval()
     mask = source.ne(1).long()
@@ -107,13 +120,9 @@ def main():
     torch.manual_seed(0)
     device = torch.device(args.device)
     print(describe_device(device, args.threads), flush=True)
-    common = dict(vocab_size=VOCAB, label_smoothing=0.1)
-    baseline_config = FlexformerConfig.from_preset("transformer_iwslt_de_en", **common)
-    indigo_config = InDIGOConfig.from_preset("transformer_iwslt_de_en", **common)
+    baseline_config, indigo_config = paper_configs()
     source, target = make_batch(args.batch, args.length)
-    features = [{"input_ids": s.tolist(), "labels": t.tolist()} for s, t in zip(source, target)]
-    l2r_batch = InDIGODataCollator(order="l2r", pad_to_multiple_of=None)(features)
-    sao_batch = InDIGODataCollator(order="sao", pad_to_multiple_of=None)(features)
+    l2r_batch, sao_batch = insertion_batches(source, target)
     l2r_batch, sao_batch = ({k: v.to(device) for k, v in b.items()} for b in (l2r_batch, sao_batch))
     source, target = source.to(device), target.to(device)
     results = {"batch": args.batch, "length": args.length, "threads": args.threads, "sao_beam": args.sao_beam,

@@ -23,29 +23,21 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_depth_adaptive as bench  # noqa: E402
+from timing import fastest  # noqa: E402
 
 #: Row counts the costs are measured at (linear interpolation between them): 32 sentences × up to 5 beams.
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160)
 
 
-def measure(fn, repeats: int = 7, calls: int = 40) -> float:
-    """Fastest of `repeats` averages of `calls` calls: a floor wants the machine's best, not its typical load."""
-    for _ in range(10):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - start) / calls)
-    return min(samples)
+def measure(fn) -> float:
+    """Seconds per call: the fastest of 7 averages of 40 calls, after 10 warm-up calls."""
+    return fastest(fn, repeats=7, calls=40, warmup=10)
 
 
 def monotone(table: dict[int, float]) -> dict[int, float]:

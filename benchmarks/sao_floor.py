@@ -42,7 +42,6 @@ import json
 import resource
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -52,25 +51,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_indigo as bench  # noqa: E402
-from timing import interleaved  # noqa: E402
+from timing import fastest, interleaved  # noqa: E402
 
-from configuration.configuration_flexformer import FlexformerConfig  # noqa: E402
-from configuration.configuration_indigo import InDIGOConfig  # noqa: E402
 from modeling import modeling_flexformer as backbone  # noqa: E402
 from modeling.modeling_flexformer import FlexformerForConditionalGeneration  # noqa: E402
 from modeling.modeling_indigo import InDIGOForConditionalGeneration  # noqa: E402
-from training_scripts.indigo_orders import InDIGODataCollator  # noqa: E402
-
-
-def fastest(fn, repeats: int = 5) -> float:
-    """Fastest of `repeats` calls after one warm-up call."""
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return min(samples)
 
 
 def best_product(weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
@@ -80,7 +65,7 @@ def best_product(weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
     packed = backbone._pack(weight, rows) if backbone.PREPACK_INFERENCE_WEIGHTS else None
     if packed is not None:
         candidates["packed"] = lambda x: backbone._LINEAR_POINTWISE(x, packed, bias, "none", [], "")
-    timings = {name: fastest(lambda fn=fn: [fn(inputs) for _ in range(20)], 5) for name, fn in candidates.items()}
+    timings = {name: fastest(lambda fn=fn: fn(inputs), repeats=5, calls=20) for name, fn in candidates.items()}
     return candidates[min(timings, key=timings.get)]
 
 
@@ -288,19 +273,15 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    config = InDIGOConfig.from_preset("transformer_iwslt_de_en", vocab_size=bench.VOCAB, label_smoothing=0.1)
+    baseline_config, config = bench.paper_configs()
     source, target = bench.make_batch(args.batch, args.length)
-    features = [{"input_ids": s.tolist(), "labels": t.tolist()} for s, t in zip(source, target)]
-    l2r_batch = InDIGODataCollator(order="l2r", pad_to_multiple_of=None)(features)
-    sao_batch = InDIGODataCollator(order="sao", pad_to_multiple_of=None)(features)
+    l2r_batch, sao_batch = bench.insertion_batches(source, target)
     l2r_model = InDIGOForConditionalGeneration(config)
     best_model = InDIGOForConditionalGeneration(config)
     best_model.use_searched_orders, best_model.sao_beam_size, best_model.sao_train_orders = True, args.sao_beam, 1
     all_orders_model = InDIGOForConditionalGeneration(config)
     all_orders_model.use_searched_orders, all_orders_model.sao_beam_size = True, args.sao_beam
-    baseline = FlexformerForConditionalGeneration(
-        FlexformerConfig.from_preset("transformer_iwslt_de_en", vocab_size=bench.VOCAB, label_smoothing=0.1)
-    )
+    baseline = FlexformerForConditionalGeneration(baseline_config)
     # bench_indigo.py's rounds (baseline, L2R, Eq. 12, best order, search), and the encoder alone
     tasks = {
         "baseline_step": bench.train_fn(baseline, {"input_ids": source, "labels": target}, "fp32"),

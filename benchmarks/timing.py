@@ -50,6 +50,20 @@ def interleaved(
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def fastest(fn: Callable[[], object], repeats: int, calls: int = 1, warmup: int = 1) -> float:
+    """Fastest of `repeats` averages of `calls` calls (seconds per call), after `warmup` calls: what a lower bound
+    wants — the machine's best, not its typical load. CPU only (no synchronisation)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls)
+    return min(samples)
+
+
 def autocast(device: torch.device | str, enabled: bool):
     """bf16 autocast on the device the model runs on."""
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=enabled)
