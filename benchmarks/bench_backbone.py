@@ -37,9 +37,9 @@ from transformers import FSMTConfig, FSMTForConditionalGeneration
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from configuration import FlexformerConfig  # noqa: E402
-from modeling import FlexformerForConditionalGeneration  # noqa: E402
-from modeling.modeling_flexformer import label_smoothed_nll_loss  # noqa: E402
+from flexformers.configuration import FlexformerConfig  # noqa: E402
+from flexformers.modeling import FlexformerForConditionalGeneration  # noqa: E402
+from flexformers.modeling.losses import label_smoothed_nll_loss  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import autocast, describe_device, interleaved  # noqa: E402

@@ -1,4 +1,4 @@
-"""CPU training steps with glibc's default heap against `training_scripts.cpu_heap.retain_freed_memory()`.
+"""CPU training steps with glibc's default heap against `flexformers.training_scripts.cpu_heap.retain_freed_memory()`.
 
 `flexformers-train` keeps freed memory in the heap when it trains on the CPU (`--retain_cpu_memory`, default on).
 This script measures what that buys: the training step (forward, loss, backward, fused AdamW, as Seq2SeqTrainer
@@ -29,14 +29,14 @@ def worker(model_name: str, heap: str, steps: int, threads: int) -> dict:
     """Train `steps` steps in this process; the per-step seconds and minor page faults."""
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from training_scripts.cpu_heap import retain_freed_memory
+    from flexformers.training_scripts.cpu_heap import retain_freed_memory
 
     applied = retain_freed_memory() if heap == "retain" else False
     import torch
 
     import bench_indigo as bench
-    from modeling.modeling_flexformer import FlexformerForConditionalGeneration
-    from modeling.modeling_indigo import InDIGOForConditionalGeneration
+    from flexformers.modeling.modeling_flexformer import FlexformerForConditionalGeneration
+    from flexformers.modeling.modeling_indigo import InDIGOForConditionalGeneration
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)

@@ -40,11 +40,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import modeling  # noqa: E402,F401
-from configuration.configuration_depth_adaptive import DepthAdaptiveConfig  # noqa: E402
-from configuration.configuration_flexformer import FlexformerConfig  # noqa: E402
-from modeling.modeling_depth_adaptive import DepthAdaptiveForConditionalGeneration  # noqa: E402
-from modeling.modeling_flexformer import FlexformerForConditionalGeneration, padding_mask  # noqa: E402
+import flexformers.modeling  # noqa: E402,F401
+from flexformers.configuration.configuration_depth_adaptive import DepthAdaptiveConfig  # noqa: E402
+from flexformers.configuration.configuration_flexformer import FlexformerConfig  # noqa: E402
+from flexformers.modeling.modeling_depth_adaptive import DepthAdaptiveForConditionalGeneration  # noqa: E402
+from flexformers.modeling.modeling_flexformer import FlexformerForConditionalGeneration, padding_mask  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import describe_device, synchronize  # noqa: E402

@@ -25,11 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from configuration.configuration_flexformer import FlexformerConfig  # noqa: E402
-from configuration.configuration_indigo import InDIGOConfig  # noqa: E402
-from modeling.modeling_flexformer import FlexformerForConditionalGeneration  # noqa: E402
-from modeling.modeling_indigo import InDIGOForConditionalGeneration  # noqa: E402
-from training_scripts.indigo_orders import InDIGODataCollator  # noqa: E402
+from flexformers.configuration.configuration_flexformer import FlexformerConfig  # noqa: E402
+from flexformers.configuration.configuration_indigo import InDIGOConfig  # noqa: E402
+from flexformers.modeling.modeling_flexformer import FlexformerForConditionalGeneration  # noqa: E402
+from flexformers.modeling.modeling_indigo import InDIGOForConditionalGeneration  # noqa: E402
+from flexformers.training_scripts.indigo_orders import InDIGODataCollator  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import autocast, describe_device, interleaved  # noqa: E402

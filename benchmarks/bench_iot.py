@@ -27,10 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from configuration.configuration_flexformer import FlexformerConfig  # noqa: E402
-from configuration.configuration_iot import PAPER_DECODER_ORDERS, IOTConfig  # noqa: E402
-from modeling.modeling_flexformer import FlexformerForConditionalGeneration  # noqa: E402
-from modeling.modeling_iot import IOTForConditionalGeneration  # noqa: E402
+from flexformers.configuration.configuration_flexformer import FlexformerConfig  # noqa: E402
+from flexformers.configuration.configuration_iot import PAPER_DECODER_ORDERS, IOTConfig  # noqa: E402
+from flexformers.modeling.modeling_flexformer import FlexformerForConditionalGeneration  # noqa: E402
+from flexformers.modeling.modeling_iot import IOTForConditionalGeneration  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import autocast, describe_device, interleaved  # noqa: E402

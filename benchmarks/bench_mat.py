@@ -35,11 +35,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from transformers.cache_utils import DynamicLayer  # noqa: E402
 
-import modeling  # noqa: E402,F401
-from configuration.configuration_flexformer import FlexformerConfig  # noqa: E402
-from configuration.configuration_mat import MATConfig  # noqa: E402
-from modeling.modeling_flexformer import FlexformerAttention, FlexformerForConditionalGeneration  # noqa: E402
-from modeling.modeling_mat import (  # noqa: E402
+import flexformers.modeling  # noqa: E402,F401
+from flexformers.configuration.configuration_flexformer import FlexformerConfig  # noqa: E402
+from flexformers.configuration.configuration_mat import MATConfig  # noqa: E402
+from flexformers.modeling.modeling_flexformer import FlexformerAttention, FlexformerForConditionalGeneration  # noqa: E402
+from flexformers.modeling.transformers_compat import generation_cache  # noqa: E402
+from flexformers.modeling.modeling_mat import (  # noqa: E402
     MATAttention,
     MATForConditionalGeneration,
     drop_branch_keep_scales,
@@ -104,7 +105,7 @@ def to_per_branch_loop(model: MATForConditionalGeneration) -> MATForConditionalG
 
     def prepare_cache_with_branch_layers(generation_config, model_kwargs, *args, **kwargs):
         prepare_cache(generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs["past_key_values"]
+        cache = generation_cache(model_kwargs)
         for sub_cache in (cache.self_attention_cache, cache.cross_attention_cache):
             while len(sub_cache.layers) < total_layers:
                 sub_cache.layers.append(DynamicLayer())

@@ -21,23 +21,23 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from configuration import (  # noqa: E402
+from flexformers.configuration import (  # noqa: E402
     DepthAdaptiveConfig,
     FlexformerConfig,
     InDIGOConfig,
     IOTConfig,
     MATConfig,
 )
-from configuration.configuration_iot import PAPER_DECODER_ORDERS  # noqa: E402
-from modeling import (  # noqa: E402
+from flexformers.configuration.configuration_iot import PAPER_DECODER_ORDERS  # noqa: E402
+from flexformers.modeling import (  # noqa: E402
     DepthAdaptiveForConditionalGeneration,
     FlexformerForConditionalGeneration,
     InDIGOForConditionalGeneration,
     IOTForConditionalGeneration,
     MATForConditionalGeneration,
 )
-import modeling.modeling_iot as iot_module  # noqa: E402
-from training_scripts.indigo_orders import InDIGODataCollator  # noqa: E402
+import flexformers.modeling.modeling_iot as iot_module  # noqa: E402
+from flexformers.training_scripts.indigo_orders import InDIGODataCollator  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_iot import force_even_order_mix  # noqa: E402

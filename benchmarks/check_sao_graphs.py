@@ -21,9 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from configuration.configuration_indigo import InDIGOConfig  # noqa: E402
-from modeling.modeling_indigo import _CAPTURED_SEARCHES, InDIGOForConditionalGeneration  # noqa: E402
-from training_scripts.indigo_orders import InDIGODataCollator  # noqa: E402
+from flexformers.configuration.configuration_indigo import InDIGOConfig  # noqa: E402
+from flexformers.modeling.modeling_indigo import _CAPTURED_SEARCHES, InDIGOForConditionalGeneration  # noqa: E402
+from flexformers.training_scripts.indigo_orders import InDIGODataCollator  # noqa: E402
 
 from bench_indigo import VOCAB, make_batch  # noqa: E402
 

@@ -53,9 +53,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_indigo as bench  # noqa: E402
 from timing import fastest, interleaved  # noqa: E402
 
-from modeling import modeling_flexformer as backbone  # noqa: E402
-from modeling.modeling_flexformer import FlexformerForConditionalGeneration  # noqa: E402
-from modeling.modeling_indigo import InDIGOForConditionalGeneration  # noqa: E402
+from flexformers.modeling import cpu_kernels as backbone  # noqa: E402
+from flexformers.modeling.modeling_flexformer import FlexformerForConditionalGeneration  # noqa: E402
+from flexformers.modeling.modeling_indigo import InDIGOForConditionalGeneration  # noqa: E402
 
 
 def best_product(weight: torch.Tensor, bias: torch.Tensor | None, rows: int):

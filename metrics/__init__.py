@@ -2,5 +2,5 @@
 
 ``evaluate.load("sacrebleu")`` downloads its script from the Hub; these directories ship the same computations
 (through the installed ``sacrebleu``) so evaluation works offline. Use
-:func:`training_scripts.metrics_utils.load_metric` to load them by name.
+:func:`flexformers.training_scripts.metrics_utils.load_metric` to load them by name.
 """

@@ -2,7 +2,7 @@
 
 from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
 
-from configuration.configuration_flexformer import FlexformerConfig
+from flexformers.configuration.configuration_flexformer import FlexformerConfig
 
 from .modeling_flexformer import (
     BackboneComponents,
@@ -37,7 +37,7 @@ from .modeling_mat import (  # noqa: E402
     register_mat_classifiers,
 )
 
-from configuration import DepthAdaptiveConfig, InDIGOConfig, IOTConfig, MATConfig  # noqa: E402
+from flexformers.configuration import DepthAdaptiveConfig, InDIGOConfig, IOTConfig, MATConfig  # noqa: E402
 
 _register(DepthAdaptiveConfig, DepthAdaptiveModel, DepthAdaptiveForConditionalGeneration)
 _register(InDIGOConfig, InDIGOModel, InDIGOForConditionalGeneration)

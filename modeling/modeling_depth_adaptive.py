@@ -17,29 +17,27 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from flexformers.configuration.configuration_depth_adaptive import (
+    EXIT_STRATEGIES,
+    DepthAdaptiveConfig,
+    validate_exit_thresholds,
+)
 from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 from transformers.utils import ModelOutput
 
-from configuration.configuration_depth_adaptive import (
-    EXIT_STRATEGIES,
-    DepthAdaptiveConfig,
-    validate_exit_thresholds,
-)
-
+from .cpu_kernels import VocabularyProjection
+from .kv_caches import StepKVCollector, new_decoder_cache, use_preallocated_layers
+from .losses import label_smoothed_nll_loss
 from .modeling_flexformer import (
     BackboneComponents,
     FlexformerDecoder,
     FlexformerForConditionalGeneration,
     FlexformerModel,
-    StepKVCollector,
-    VocabularyProjection,
-    label_smoothed_nll_loss,
-    new_decoder_cache,
     padding_mask,
-    use_preallocated_layers,
 )
+from .transformers_compat import accepts_cache_argument, cache_field, output_cache
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Equation-level functions (each cites the paper: Elbayad et al., "Depth-Adaptive Transformer", ICLR 2020).
@@ -1011,6 +1009,7 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
 
     # -- forward --------------------------------------------------------------------------------------------------
 
+    @accepts_cache_argument
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -1099,7 +1098,7 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
             fields = {"loss": loss, "logits": logits, "exits": exits, "decoding_loss": loss}
         output = DepthAdaptiveSeq2SeqLMOutput(
             **fields,
-            past_key_values=past_key_values if use_cache else None,
+            **cache_field(past_key_values if use_cache else None),
             encoder_last_hidden_state=encoder_states,
         )
         return output if return_dict else output.to_tuple()
@@ -1244,7 +1243,7 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
         self._generation_exit_settings = settings
         try:
             output = super().generate(inputs, generation_config, **kwargs)
-            returned_cache = None if isinstance(output, torch.Tensor) else output.get("past_key_values")
+            returned_cache = None if isinstance(output, torch.Tensor) else output_cache(output)
             if returned_cache is not None:
                 self.model.decoder.complete_copied_states(returned_cache)
                 if isinstance(returned_cache.self_attention_cache, CopiedStateCache):

@@ -13,18 +13,19 @@ Every method of the zoo extends this file at a named seam (see docs/ARCHITECTURE
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cached_property, partial
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 import torch.utils.weak
+from flexformers.configuration.configuration_flexformer import FlexformerConfig
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
+from transformers.generation.logits_process import LogitsProcessorList, SuppressTokensLogitsProcessor
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutput,
@@ -35,7 +36,31 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
-from configuration.configuration_flexformer import FlexformerConfig
+from .cpu_kernels import (
+    PrepackedLinear,
+    VocabularyProjection,
+    dropout,
+    fused_linears,
+    linear,
+)
+from .kv_caches import (
+    SourceGroupedCache,
+    StepKVCollector,
+    index_rows,
+    new_decoder_cache,
+    self_attention_cache_of,
+    static_cache_capacity,
+    use_preallocated_layers,
+)
+from .losses import label_smoothed_nll_loss
+from .transformers_compat import (
+    CACHE_NAME,
+    accepts_cache_argument,
+    cache_field,
+    generation_cache,
+    output_cache,
+    set_generation_cache,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -160,40 +185,6 @@ def build_positional_embedding(config: FlexformerConfig, side: str, embed_dim: i
 # --------------------------------------------------------------------------------------------------------------------
 
 
-_KEEP_MASK_RESOLUTION = 1 << 15
-
-
-def scaled_keep_mask(like: torch.Tensor, keep: float) -> torch.Tensor:
-    """Inverted-dropout multiplier shaped like `like`: 1/keep with probability `keep`, else 0 (CPU).
-
-    Each 32-bit draw of the CPU generator gives two independent 15-bit uniforms (the two halves of a non-negative
-    int32), so a mask costs half the draws of `torch.rand` (32×30×512: 1.9 → 1.1 ms; `bernoulli_` 6.3 ms) — dropout
-    runs 30+ times per training step of a 6+6 model. The keep probability is `keep` rounded to a multiple of 2⁻¹⁵
-    (|error| ≤ 1.6e-5; `torch.rand`'s float32 is 2⁻²⁴) and the kept values are scaled by exactly 1/keep, as
-    `F.dropout` does.
-    """
-    count = like.numel()
-    halves = torch.empty((count + 1) // 2, dtype=torch.int32, device=like.device).random_().view(torch.int16)
-    if count % 2:
-        halves = halves[:count]
-    threshold = round(keep * _KEEP_MASK_RESOLUTION)
-    keep_mask = halves.bitwise_and_(_KEEP_MASK_RESOLUTION - 1).lt_(threshold)
-    return keep_mask.view(like.shape).to(like.dtype).div_(keep)
-
-
-def dropout(hidden_states: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """Inverted dropout, `F.dropout`'s semantics (zero with probability p, scale the rest by 1/(1−p)).
-
-    On CPU the mask comes from `scaled_keep_mask` (half the generator draws of `torch.rand`, ~3× faster than
-    `bernoulli_`); elsewhere `F.dropout`'s fused kernel is used as is.
-    """
-    if not training or p == 0.0:
-        return hidden_states
-    if hidden_states.device.type != "cpu" or p >= 1.0:
-        return F.dropout(hidden_states, p=p, training=True)
-    return hidden_states * scaled_keep_mask(hidden_states, 1.0 - p)
-
-
 def eager_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -223,133 +214,6 @@ def eager_attention_forward(
     weights = F.dropout(weights, p=dropout, training=module.training)
     output = torch.matmul(weights, value).transpose(1, 2).contiguous()
     return output, weights
-
-
-# ---- prepacked inference weights ----------------------------------------------------------------------------------
-
-# Packed copies of linear weights for inference, keyed by the owning module (outside the module, so state dicts,
-# deepcopy and pickling never see them) and rebuilt whenever the weight changes (new storage or in-place update).
-_PACKED_WEIGHTS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
-
-
-def _prepacking_possible() -> bool:
-    try:
-        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    except (AttributeError, RuntimeError):
-        return False
-
-
-PREPACK_INFERENCE_WEIGHTS: bool = _prepacking_possible()
-_LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default if PREPACK_INFERENCE_WEIGHTS else None
-_FLOAT32 = torch.float32
-
-
-def _prepacking_pays(rows: int, weight: torch.Tensor) -> bool:
-    """Where the packed oneDNN product beat `F.linear` (2 AVX2 cores, time ratio packed/plain, medians of
-    interleaved runs): vocabulary-sized outputs up to a few hundred rows (d 512, V 10152: 0.32 at 1 row, 0.48–0.58
-    at 32, 0.83 at 128, 0.91 at 256, 0.99–1.05 at 960); d ≥ 512 weights at a decoding step's few rows (512×512,
-    512×1024, 1024×512: 0.43–0.73 at 4 rows, 0.61–0.93 at 32, 0.81–0.99 at 48, 0.87–1.03 at 64, 1.1–1.3 at 960,
-    but up to 1.43 at a single row); small d = 256 weights never (1.1–1.4)."""
-    out_features, in_features = weight.shape
-    if out_features >= 4096:
-        return rows <= 512
-    return 2 <= rows <= 48 and out_features * in_features >= 512 * 512
-
-
-def _packed_rows(inputs: torch.Tensor, weight: torch.Tensor, biases: Sequence[torch.Tensor | None]) -> int:
-    """The rows of `inputs` if their product with `weight` should take the packed oneDNN path, else 0: no gradients
-    needed, CPU, fp32, not autocast, a weight with a version counter (to notice in-place updates by) and a shape
-    where packing pays (`_prepacking_pays`). Runs ~50 times per decoding step, so the checks are ordered to leave
-    early and cost ~2 µs in all."""
-    if not PREPACK_INFERENCE_WEIGHTS or torch.compiler.is_compiling() or (  # compiled: the compiler lays weights out
-        torch.is_grad_enabled()
-        and (
-            inputs.requires_grad
-            or weight.requires_grad
-            or any(bias is not None and bias.requires_grad for bias in biases)
-        )
-    ):
-        return 0
-    if (
-        not inputs.is_cpu
-        or inputs.dtype is not _FLOAT32  # dtypes are singletons
-        or weight.dtype is not _FLOAT32
-        or weight.is_inference()
-        or torch.is_autocast_enabled("cpu")
-    ):
-        return 0
-    rows = inputs.numel() // inputs.shape[-1] if inputs.shape[-1] else 0
-    return rows if rows and _prepacking_pays(rows, weight) else 0
-
-
-def linear(owner: nn.Module, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear`, except without gradients on CPU in fp32: then through oneDNN with the weight packed once (per
-    weight version) into its blocked layout — what `torch.compile`'s CPU freezing does for inference — where that
-    pays (`_prepacking_pays`). Decoding multiplies a few rows by the same weights at every step, and an unpacked
-    GEMM re-packs the weight each call: measured on 2 AVX2 cores, [32, 512]×[512, 512] 0.18 → 0.14 ms,
-    [32, 1024]×[1024, 512] 0.35 → 0.27 ms, the [32, 512]×[512, 10152] vocabulary projection 6.0 → 2.9 ms. Same
-    arithmetic up to summation order (≈1e-6 relative). Set `modeling.modeling_flexformer.PREPACK_INFERENCE_WEIGHTS
-    = False` to turn it off."""
-    rows = _packed_rows(inputs, weight, (bias,))
-    if rows:
-        key = (weight.data_ptr(), weight._version, weight.shape)
-        entry = _PACKED_WEIGHTS.get(owner)
-        if entry is None or entry[0] != key:
-            entry = (key, _pack(weight.detach(), rows))
-            _PACKED_WEIGHTS[owner] = entry
-        if entry[1] is not None:
-            return _LINEAR_POINTWISE(inputs, entry[1], bias, "none", [], "")
-    return F.linear(inputs, weight, bias)
-
-
-def _pack(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-    except RuntimeError:  # a layout or build oneDNN does not take: plain products for this weight version
-        return None
-
-
-def fused_linears(owner: nn.Module, inputs: torch.Tensor, projections: Sequence[nn.Linear]) -> tuple[torch.Tensor, ...]:
-    """`tuple(p(inputs) for p in projections)`; where :func:`linear` would pack (a decoding step's few rows), the
-    projections' weights are packed side by side and run as one product, then split — a wider product keeps both
-    cores busier than three narrow ones: self-attention's q, k, v at [32, 512]×[512, 3·512] 0.45 ms against
-    3 × 0.165 ms (greedy generation −2%). The packed copy, keyed by `owner`, follows every weight's and bias's
-    version. Only plain `PrepackedLinear`s without hooks or a per-module `forward` are fused (an adapter that
-    replaces or wraps a projection, e.g. PEFT's LoRA or accelerate's offload hooks, keeps its own forward)."""
-    first = projections[0]
-    biases = [projection.bias for projection in projections]
-    rows = _packed_rows(inputs, first.weight, biases)
-    if (
-        rows
-        and all(
-            type(projection) is PrepackedLinear
-            and not projection._forward_hooks
-            and not projection._forward_pre_hooks
-            and "forward" not in projection.__dict__  # e.g. accelerate's offload hook replaces `forward` per module
-            for projection in projections
-        )
-        and (all(bias is None for bias in biases) or all(bias is not None for bias in biases))
-    ):
-        tensors = [projection.weight for projection in projections] + [bias for bias in biases if bias is not None]
-        key = tuple((tensor.data_ptr(), tensor._version, tensor.shape) for tensor in tensors)
-        entry = _PACKED_WEIGHTS.get(owner)
-        if entry is None or entry[0] != key:
-            with torch.no_grad():
-                weight = torch.cat([projection.weight for projection in projections])
-                bias = torch.cat(biases) if biases[0] is not None else None
-            entry = (key, _pack(weight, rows), bias)
-            _PACKED_WEIGHTS[owner] = entry
-        if entry[1] is not None:
-            fused = _LINEAR_POINTWISE(inputs, entry[1], entry[2], "none", [], "")
-            return fused.split([projection.out_features for projection in projections], dim=-1)
-    return tuple(projection(inputs) for projection in projections)
-
-
-class PrepackedLinear(nn.Linear):
-    """`nn.Linear` (same parameters and state dict) whose inference calls go through :func:`linear`."""
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        return linear(self, inputs, self.weight, self.bias)
 
 
 class BranchMergeLinear(nn.Module):
@@ -388,359 +252,6 @@ class BranchMergeLinear(nn.Module):
         return linear(self, scaled.reshape(*leading, self.num_branches * self.in_features), self.weight, None) + bias
 
 
-class PreallocatedKVLayer(DynamicLayer):
-    """A self-attention `DynamicLayer` that appends each step's keys/values into a preallocated buffer.
-
-    `DynamicLayer.update` concatenates (copies) the whole past at every decoding step and beam search's
-    `reorder_cache` allocates a reordered copy; on CPU those fresh multi-megabyte tensors cost more than the step's
-    attention itself. Here the buffer `[batch, heads, capacity, head_dim]` grows by doubling, a step writes only
-    its new positions, and beams are reordered into a spare buffer pair of the same shape that is then swapped in.
-    The layers of one cache share their spare pair (`SpareBuffers`). `keys` / `values` are views of the filled
-    part, so everything that reads a `DynamicLayer` reads this one.
-    """
-
-    min_capacity = 32
-
-    def __init__(self, spares: SpareBuffers | None = None, **kwargs):
-        self._key_buffer: torch.Tensor | None = None
-        self._value_buffer: torch.Tensor | None = None
-        self._spares = spares if spares is not None else SpareBuffers()
-        self._length = 0
-        self._placeholder: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-        super().__init__(**kwargs)
-
-    @property
-    def keys(self) -> torch.Tensor | None:
-        if self._key_buffer is None:
-            return self._placeholder[0]
-        return self._key_buffer[:, :, : self._length]
-
-    @keys.setter
-    def keys(self, tensor: torch.Tensor | None) -> None:
-        self._adopt(tensor, is_key=True)
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        if self._value_buffer is None:
-            return self._placeholder[1]
-        return self._value_buffer[:, :, : self._length]
-
-    @values.setter
-    def values(self, tensor: torch.Tensor | None) -> None:
-        self._adopt(tensor, is_key=False)
-
-    def _adopt(self, tensor: torch.Tensor | None, is_key: bool) -> None:
-        """Keys/values assigned from outside (`DynamicLayer`'s `batch_select_indices`, `offload`, `reset`, …)
-        become the new buffer, exactly full."""
-        if tensor is None or tensor.dim() != 4:  # None, or DynamicLayer's empty `torch.tensor([])` placeholder
-            if is_key:
-                self._key_buffer, self._placeholder = None, (tensor, self._placeholder[1])
-            else:
-                self._value_buffer, self._placeholder = None, (self._placeholder[0], tensor)
-            if self._key_buffer is None and self._value_buffer is None:
-                self._length = 0
-            return
-        if is_key:
-            self._key_buffer = tensor
-        else:
-            self._value_buffer = tensor
-        self._length = tensor.shape[2]
-
-    @staticmethod
-    def _buffer_like(states: torch.Tensor, batch_size: int, capacity: int) -> torch.Tensor:
-        return states.new_empty((batch_size, states.shape[1], capacity, states.shape[3]))
-
-    def _grow(self, needed: int) -> None:
-        old_keys, old_values = self._key_buffer, self._value_buffer
-        capacity = max(needed, 2 * old_keys.shape[2], self.min_capacity)
-        self._key_buffer = self._buffer_like(old_keys, old_keys.shape[0], capacity)
-        self._value_buffer = self._buffer_like(old_values, old_values.shape[0], capacity)
-        self._key_buffer[:, :, : self._length] = old_keys[:, :, : self._length]
-        self._value_buffer[:, :, : self._length] = old_values[:, :, : self._length]
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values, past_length = self.reserve(key_states.shape[0], key_states, value_states)
-        keys[:, :, past_length:] = key_states
-        values[:, :, past_length:] = value_states
-        self.commit(key_states.shape[2])
-        return keys, values
-
-    def reserve(self, batch_size: int, key_like: torch.Tensor, value_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Room for `key_like.shape[2]` new positions of all `batch_size` rows (`update` writes them at once,
-        `StepKVCollector.extend` block by block); returns views `[batch, heads, past + new, head_dim]` and the past
-        length. `commit` adds the new positions to the cache once every row has been written."""
-        new = key_like.shape[2]
-        if not self.is_initialized:
-            self.lazy_initialization(key_like, value_like)
-        if self._key_buffer is None:
-            capacity = max(new, self.min_capacity)
-            self._key_buffer = self._buffer_like(key_like, batch_size, capacity)
-            self._value_buffer = self._buffer_like(value_like, batch_size, capacity)
-            self._length = 0
-        elif self._length + new > self._key_buffer.shape[2]:
-            self._grow(self._length + new)
-        end = self._length + new
-        return self._key_buffer[:, :, :end], self._value_buffer[:, :, :end], self._length
-
-    def commit(self, new: int) -> None:
-        self._length += new
-
-    def get_seq_length(self) -> int:
-        if self._key_buffer is None:
-            return super().get_seq_length()
-        return self._length  # without building the `keys` view (asked several times per decoding step)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError(f"`crop` takes a negative number of tokens to remove, got {tokens_to_remove}")
-        if self._key_buffer is not None:
-            self._length = max(self._length + tokens_to_remove, 0)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self._key_buffer is None or self._length == 0:
-            return
-        self._key_buffer, self._value_buffer = self._spares.reorder(
-            self._key_buffer, self._value_buffer, beam_idx.to(self._key_buffer.device), self._length
-        )
-
-
-class SpareBuffers:
-    """The spare key/value buffer pair that the `PreallocatedKVLayer`s of one cache reorder beams into, one after
-    the other: a layer takes the pair, reorders into it and leaves its old pair for the next layer. A cache of L
-    layers then holds L + 1 buffer pairs instead of 2L — on CPU each fresh pair is page-faulted in at its first
-    write (beam 5 at batch 32, `transformer_iwslt_de_en`: 67k page faults per `generate` with a spare per layer).
-    A pair of another shape, dtype or device than the asking layer's is not used (a fresh one is made). InDIGO's
-    SAO search reorders its pointer cache (keys and word part) through one too."""
-
-    __slots__ = ("_pair",)
-
-    def __init__(self):
-        self._pair: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def take(self, keys_like: torch.Tensor, values_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pair, self._pair = self._pair, None
-        if pair is not None and all(
-            spare.shape == like.shape and spare.dtype == like.dtype and spare.device == like.device
-            for spare, like in zip(pair, (keys_like, values_like))
-        ):
-            return pair
-        return torch.empty_like(keys_like), torch.empty_like(values_like)
-
-    def give(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self._pair = (keys, values)
-
-    def reorder(
-        self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, length: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Beam selection on a buffer pair filled up to `length` along dim 2: row i of the result is old row
-        `index[i]`. Gathered into the spare pair (only the filled part), which is returned; the old pair becomes
-        the spare."""
-        spare_keys, spare_values = self.take(keys, values)
-        filled = slice(0, length)
-        torch.index_select(keys[:, :, filled], 0, index, out=spare_keys[:, :, filled])
-        torch.index_select(values[:, :, filled], 0, index, out=spare_values[:, :, filled])
-        self.give(keys, values)
-        return spare_keys, spare_values
-
-
-def use_preallocated_layers(cache: DynamicCache) -> DynamicCache:
-    """Swap a fresh `DynamicCache`'s empty plain layers (and the class it replicates for layers added later) for
-    `PreallocatedKVLayer`s; layers that already hold states, or are of another kind, are left alone."""
-    spares = SpareBuffers()
-    cache.layers = [
-        PreallocatedKVLayer(spares) if type(layer) is DynamicLayer and not layer.is_initialized else layer
-        for layer in cache.layers
-    ]
-    if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
-        cache.layer_class_to_replicate = partial(PreallocatedKVLayer, spares)
-    return cache
-
-
-class VocabularyProjection(nn.Linear):
-    """The output layer d → V (`lm_head`, and Depth-Adaptive's exit classifiers).
-
-    Without gradients on CPU it goes through the prepacked oneDNN path of :func:`linear` (d 512, V 10152, 32 rows:
-    6.0 → 2.9 ms). Where that is unavailable, a few rows take `(W · hᵀ)ᵀ`: CPU BLAS runs the product with the long
-    vocabulary axis first faster there (32 rows 5.6 → 4.0 ms, transpose back to contiguous included); from ~128
-    rows on, and whenever gradients flow, `F.linear` is as fast or faster.
-    """
-
-    transposed_product_max_rows = 64
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        rows = hidden_states.numel() // self.in_features
-        if (
-            PREPACK_INFERENCE_WEIGHTS
-            or rows > self.transposed_product_max_rows
-            or hidden_states.device.type != "cpu"
-            or (torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad))
-        ):
-            return linear(self, hidden_states, self.weight, self.bias)
-        logits = (self.weight @ hidden_states.reshape(rows, self.in_features).t()).t().contiguous()
-        if self.bias is not None:
-            logits = logits + self.bias
-        return logits.view(*hidden_states.shape[:-1], self.out_features)
-
-
-class StepKVCollector:
-    """Collects one decoder layer's new self-attention keys/values when the rows of a batch are computed in
-    several subsets during one forward (IOT per-row orders, Depth-Adaptive early exits), then writes them to the
-    cache with one full-batch `update` — so the cache stays the standard `DynamicCache` every other tool expects.
-    With a `PreallocatedKVLayer`, blocks of contiguous rows (`extend` with a `slice`) write into the layer's own
-    buffer instead, and `flush` only commits the new positions.
-    """
-
-    def __init__(self, cache: Cache, layer_idx: int, batch_size: int):
-        self.cache = cache
-        self.layer_idx = layer_idx
-        self.batch_size = batch_size
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self._rows_written = 0
-        # (keys, values, past_length): this step's [batch, heads, past + q, d] buffers once `extend` used them
-        self._extended: tuple[torch.Tensor, torch.Tensor, int] | None = None
-        self._reserved_in: PreallocatedKVLayer | None = None  # the cache layer whose buffer `_extended` views
-
-    def past(self, rows: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        layers = getattr(self.cache, "layers", [])
-        if self.layer_idx >= len(layers) or not layers[self.layer_idx].is_initialized:
-            return None, None
-        layer = layers[self.layer_idx]
-        if layer.keys is None or layer.keys.numel() == 0:
-            return None, None
-        if rows is None:
-            return layer.keys, layer.values
-        return _index_rows(layer.keys, rows), _index_rows(layer.values, rows)
-
-    def add(self, rows: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor) -> None:
-        if self._extended is not None:  # `extend` already holds this step's buffers: write there
-            full_keys, full_values, past_length = self._extended
-            index = slice(None) if rows is None else rows
-            full_keys[index, :, past_length:] = keys
-            full_values[index, :, past_length:] = values
-            self._rows_written += keys.shape[0]
-            return
-        if rows is None:
-            self.keys, self.values = keys, values
-            self._rows_written = self.batch_size
-            return
-        if self.keys is None:
-            shape = (self.batch_size, *keys.shape[1:])
-            self.keys = keys.new_zeros(shape)
-            self.values = values.new_zeros(shape)
-        if isinstance(rows, slice):  # a contiguous block of rows: write in place into this step's own buffer
-            self.keys[rows] = keys
-            self.values[rows] = values
-        else:
-            self.keys = self.keys.index_copy(0, rows, keys)
-            self.values = self.values.index_copy(0, rows, values)
-        self._rows_written += keys.shape[0]
-
-    def extend(
-        self, rows: torch.Tensor | slice | None, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """`add` the new keys/values of `rows`, and return what those rows attend over (past + new) with the past
-        length. For a contiguous block of rows (a `slice`) every block writes its new positions in place into one
-        `[batch, heads, past + q, d]` buffer per layer and step and attends over a view of it: the
-        `PreallocatedKVLayer`'s own buffer (no copy; `flush` commits), else a copy of the past that `flush` hands to
-        the cache as is — one copy of the past per step, as the plain path."""
-        if rows is None and keys.shape[0] == self.batch_size:
-            # all rows at once (an IOT stage every order shares): the whole batch is one contiguous block, so it
-            # writes in place too instead of concatenating a copy of the past
-            rows = slice(0, self.batch_size)
-        if not isinstance(rows, slice):
-            self.add(rows, keys, values)
-            if self._extended is not None:
-                full_keys, full_values, past_length = self._extended
-                index = slice(None) if rows is None else rows
-                return full_keys[index], full_values[index], past_length
-            past_keys, past_values = self.past(rows)
-            if past_keys is None:
-                return keys, values, 0
-            return (
-                torch.cat([past_keys, keys], dim=2), torch.cat([past_values, values], dim=2), past_keys.shape[2]
-            )
-        if self._extended is None:
-            layers = getattr(self.cache, "layers", [])
-            layer = layers[self.layer_idx] if self.layer_idx < len(layers) else None
-            if isinstance(layer, PreallocatedKVLayer) and (
-                layer._key_buffer is None or layer._key_buffer.shape[0] == self.batch_size
-            ):
-                # the row blocks write straight into the cache's own buffer: no copy of the past at all
-                full_keys, full_values, past_length = layer.reserve(self.batch_size, keys, values)
-                self._reserved_in = layer
-            else:
-                past_keys, past_values = self.past(None)
-                past_length = 0 if past_keys is None else past_keys.shape[2]
-                shape = (self.batch_size, keys.shape[1], past_length + keys.shape[2], keys.shape[3])
-                # every position gets written (the past here, the new ones by the row blocks: `flush` checks it)
-                full_keys, full_values = keys.new_empty(shape), values.new_empty(shape)
-                if past_length:
-                    full_keys[:, :, :past_length] = past_keys
-                    full_values[:, :, :past_length] = past_values
-            if self.keys is not None:  # rows written by `add` before: move them into the buffer
-                full_keys[:, :, past_length:] = self.keys
-                full_values[:, :, past_length:] = self.values
-                self.keys = self.values = None
-            self._extended = (full_keys, full_values, past_length)
-        full_keys, full_values, past_length = self._extended
-        full_keys[rows, :, past_length:] = keys
-        full_values[rows, :, past_length:] = values
-        self._rows_written += keys.shape[0]
-        return full_keys[rows], full_values[rows], past_length
-
-    def flush(self) -> None:
-        if self._extended is not None:
-            if self._rows_written != self.batch_size:
-                raise RuntimeError(
-                    f"layer {self.layer_idx}: new keys/values were written for {self._rows_written} of "
-                    f"{self.batch_size} rows; every row must be written once per step to keep the cache consistent"
-                )
-            full_keys, full_values, past_length = self._extended
-            layers = getattr(self.cache, "layers", [])
-            layer = layers[self.layer_idx] if self.layer_idx < len(layers) else None
-            if self._reserved_in is not None:
-                self._reserved_in.commit(full_keys.shape[2] - past_length)
-                self._reserved_in = None
-            elif past_length and type(layer) is DynamicLayer:
-                layer.keys, layer.values = full_keys, full_values  # the buffer already holds past + new
-            else:
-                self.cache.update(full_keys[:, :, past_length:], full_values[:, :, past_length:], self.layer_idx)
-            self._extended = None
-            self._rows_written = 0
-            return
-        if self.keys is None:
-            return
-        if self._rows_written != self.batch_size:
-            raise RuntimeError(
-                f"layer {self.layer_idx}: new keys/values were written for {self._rows_written} of "
-                f"{self.batch_size} rows; every row must be written once per step to keep the cache consistent"
-            )
-        self.cache.update(self.keys, self.values, self.layer_idx)
-        self.keys = self.values = None
-        self._rows_written = 0
-
-
-def _self_attention_cache(past_key_values: Cache | None) -> Cache | None:
-    if isinstance(past_key_values, EncoderDecoderCache):
-        return past_key_values.self_attention_cache
-    return past_key_values
-
-
-def static_cache_capacity(past_key_values: Cache | None) -> int | None:
-    """The capacity of a static self-attention cache (`generate(cache_implementation="static")`), or None for a
-    cache that returns just its filled part. A static layer's keys are its whole preallocated buffer and its length
-    is a device tensor: the decoder masks the slots not written yet and never reads the length on the host, so a
-    decoding step is one graph for `torch.compile` (CUDA graphs on a GPU)."""
-    cache = _self_attention_cache(past_key_values)
-    if cache is None or not getattr(cache, "layers", None):
-        return None
-    capacity = cache.layers[0].get_max_length()
-    return capacity if capacity > 0 else None
-
-
 # `_whole_groups` answers per row-subset tensor, remembered while the tensor lives: a generation reuses the same
 # subsets at every step, and the check needs a host sync.
 _WHOLE_GROUPS: "torch.utils.weak.WeakIdKeyDictionary" = torch.utils.weak.WeakIdKeyDictionary()
@@ -764,62 +275,6 @@ def _whole_groups(rows: torch.Tensor, group: int) -> torch.Tensor | None:
     _WHOLE_GROUPS[rows] = (key, sentences)
     return sentences
 
-
-def _index_rows(tensor: torch.Tensor | None, rows: torch.Tensor | slice | None) -> torch.Tensor | None:
-    """The batch rows `rows` of `tensor`: a LongTensor of rows (a copy) or a `slice` of contiguous rows (a view)."""
-    if tensor is None or rows is None or tensor.shape[0] == 1:
-        return tensor
-    if isinstance(rows, slice):
-        return tensor[rows]
-    return tensor.index_select(0, rows)
-
-
-class SourceGroupedCache(EncoderDecoderCache):
-    """An `EncoderDecoderCache` whose cross-attention keys/values are stored once per source sentence instead of
-    once per beam (or per returned sample).
-
-    `generate()` repeats every source `group_size` times (`max(num_beams, num_return_sequences)`); the copies are
-    identical, so the cross-attention folds a group's queries into the query axis of one sentence's keys. Beam
-    search only moves hypotheses within their own sentence, so `reorder_cache` leaves the cross-attention part
-    alone — the standard cache would copy `group_size ×` the encoder keys/values of every layer at every step.
-    """
-
-    def __init__(self, self_attention_cache: Cache, cross_attention_cache: Cache, group_size: int = 1):
-        super().__init__(self_attention_cache, cross_attention_cache)
-        self.group_size = group_size
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.self_attention_cache.reorder_cache(beam_idx)
-
-    def _ungroup(self) -> None:
-        if self.group_size == 1:
-            return
-        for layer in self.cross_attention_cache.layers:
-            if layer.is_initialized and layer.keys is not None and layer.keys.numel():
-                layer.keys = layer.keys.repeat_interleave(self.group_size, dim=0)
-                layer.values = layer.values.repeat_interleave(self.group_size, dim=0)
-        self.group_size = 1
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._ungroup()
-        super().batch_repeat_interleave(repeats)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._ungroup()
-        super().batch_select_indices(indices)
-
-
-def new_decoder_cache(config, group_size: int = 1) -> EncoderDecoderCache:
-    """The cache a decoder starts incremental decoding with: preallocated self-attention layers
-    (`PreallocatedKVLayer`), a plain `DynamicCache` for the cross-attention keys/values (written once).
-
-    `group_size > 1`: the rows are `group_size` consecutive copies of each source sentence (beams) that are only
-    ever reordered within their sentence — a `SourceGroupedCache` then keeps one cross-attention copy per sentence.
-    """
-    self_attention = use_preallocated_layers(DynamicCache(config=config))
-    if group_size > 1:
-        return SourceGroupedCache(self_attention, DynamicCache(config=config), group_size)
-    return EncoderDecoderCache(self_attention, DynamicCache(config=config))
 
 
 def _fold_groups(tensor: torch.Tensor, group: int) -> torch.Tensor:
@@ -919,8 +374,8 @@ class FlexformerAttention(nn.Module):
                     return keys.index_select(0, sentences), values.index_select(0, sentences)
                 sentence_rows = torch.div(rows, group, rounding_mode="floor")
                 return keys.index_select(0, sentence_rows), values.index_select(0, sentence_rows)
-            return _index_rows(keys, rows), _index_rows(values, rows)
-        return self.project_key_value(_index_rows(encoder_states, rows))
+            return index_rows(keys, rows), index_rows(values, rows)
+        return self.project_key_value(index_rows(encoder_states, rows))
 
     def forward(
         self,
@@ -952,10 +407,10 @@ class FlexformerAttention(nn.Module):
             if kv_collector is not None:
                 key, value, past_length = kv_collector.extend(rows, key, value)
             elif past_key_values is not None:
-                self_cache = _self_attention_cache(past_key_values)
+                self_cache = self_attention_cache_of(past_key_values)
                 past_length = self_cache.get_seq_length(self.layer_idx)
                 key, value = self_cache.update(key, value, self.layer_idx)
-        attention_mask = _index_rows(attention_mask, rows)
+        attention_mask = index_rows(attention_mask, rows)
         group = 1
         if self.is_cross_attention and key.shape[0] != batch:  # keys per source sentence: fold its beams' queries
             group = batch // key.shape[0]
@@ -1168,7 +623,7 @@ class _ReorderableLayer(GradientCheckpointingLayer):
         for order in sublayer_order.orders:
             _check_order(order, self.default_order)
         collector = None
-        self_cache = _self_attention_cache(past_key_values)
+        self_cache = self_attention_cache_of(past_key_values)
         if self_cache is not None and "self_attn" in self.default_order and self.self_attn.layer_idx is not None:
             collector = StepKVCollector(self_cache, self.self_attn.layer_idx, hidden_states.shape[0])
         batch = hidden_states.shape[0]
@@ -1196,7 +651,7 @@ class _ReorderableLayer(GradientCheckpointingLayer):
                     )
                 else:
                     updated, _ = compute(
-                        _index_rows(hidden_states, rows),
+                        index_rows(hidden_states, rows),
                         past_key_values=past_key_values,
                         rows=rows,
                         kv_collector=collector,
@@ -1557,7 +1012,7 @@ class FlexformerDecoder(_TransformerStack):
             all_hidden.append(hidden_states)
         output = BaseModelOutputWithPastAndCrossAttentions(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
+            **cache_field(past_key_values if use_cache else None),
             hidden_states=tuple(all_hidden) if output_hidden_states else None,
             attentions=tuple(all_self) if output_attentions else None,
             cross_attentions=tuple(all_cross) if output_attentions else None,
@@ -1581,95 +1036,8 @@ class BackboneComponents:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Loss
+# Teacher forcing
 # --------------------------------------------------------------------------------------------------------------------
-
-
-class _TokenLossTerms(torch.autograd.Function):
-    """Per-token NLL `logsumexp(z) − z_y` and smoothing term `Σ_v −log p_v = V·logsumexp(z) − Σ_v z_v` of `[N, V]`
-    float logits (zero at ignored tokens).
-
-    The forward keeps `exp(z − max z)` (the one `[N, V]` temporary a logsumexp needs anyway) and the first backward
-    turns it, in place, into the gradient `(g_nll + V·g_smooth)·softmax − g_nll·onehot − g_smooth`: no second
-    exponential and no second `[N, V]` buffer (at 960 × 10152 each such fp32 buffer is 39 MB, above glibc's mmap
-    threshold, so every fresh one is paid again in page faults). A second backward through the same graph
-    (`retain_graph=True`) recomputes the softmax from the saved logits.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int):
-        kept = labels.ne(ignore_index)
-        safe_labels = labels.masked_fill(~kept, 0)
-        row_max = logits.amax(dim=-1, keepdim=True)
-        shifted_exp = torch.sub(logits, row_max).exp_()
-        row_sum = shifted_exp.sum(dim=-1)
-        log_normalizer = row_sum.log().add_(row_max.squeeze(1))
-        nll = (log_normalizer - logits.gather(1, safe_labels.unsqueeze(1)).squeeze(1)) * kept
-        smooth = (logits.shape[-1] * log_normalizer - logits.sum(-1)) * kept
-        ctx.save_for_backward(logits, row_max, safe_labels, kept, row_sum)
-        ctx.shifted_exp = shifted_exp  # not saved_tensors: the backward overwrites it
-        return nll, smooth
-
-    @staticmethod
-    def backward(ctx, grad_nll: torch.Tensor, grad_smooth: torch.Tensor):
-        logits, row_max, safe_labels, kept, row_sum = ctx.saved_tensors
-        kept = kept.to(logits.dtype)
-        grad_nll = grad_nll * kept
-        grad_smooth = grad_smooth * kept
-        softmax_scale = grad_nll + logits.shape[-1] * grad_smooth
-        grad, ctx.shifted_exp = ctx.shifted_exp, None
-        if grad is None:  # a second backward: the first one consumed the buffer
-            grad = torch.sub(logits, row_max).exp_()
-        grad.mul_((softmax_scale / row_sum).unsqueeze(1))  # softmax = exp(z − max) / Σ exp(z − max), scaled
-        grad.sub_(grad_smooth.unsqueeze(1))
-        grad.scatter_add_(1, safe_labels.unsqueeze(1), -grad_nll.unsqueeze(1))
-        return grad, None, None
-
-
-def token_loss_terms(
-    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token `(nll, smooth)` of fairseq's label-smoothed loss, shaped like `labels`, zero at `ignore_index`:
-    nll = −log p_y and smooth = Σ_v −log p_v, computed in float32 (float64 stays float64) by one fused autograd
-    function — no `[N, V]` log-probabilities are materialised (`_TokenLossTerms`)."""
-    vocab_size = logits.shape[-1]
-    flat_logits = logits.reshape(-1, vocab_size)
-    if flat_logits.dtype not in (torch.float32, torch.float64):
-        flat_logits = flat_logits.float()
-    nll, smooth = _TokenLossTerms.apply(flat_logits, labels.reshape(-1), ignore_index)
-    return nll.view(labels.shape), smooth.view(labels.shape)
-
-
-def label_smoothed_nll_loss(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    epsilon: float,
-    ignore_index: int = -100,
-    num_items_in_batch: int | torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fairseq 0.12's label-smoothed cross-entropy (`label_smoothed_cross_entropy`): with ε' = ε / (V - 1),
-    loss = (1 - ε - ε') · NLL + ε' · Σ_v −log p_v, summed over non-ignored tokens.
-
-    Both terms come from `token_loss_terms` (one logsumexp per row; the backward writes
-    `softmax − (1−ε−ε')·onehot − ε'` into one buffer), which takes half the time of
-    `F.cross_entropy(label_smoothing=…)` plus a separate NLL pass for logging on a `[960, 10152]` batch.
-
-    Returns (loss, nll_loss), each divided by `num_items_in_batch` when given (Trainer's token count for the whole
-    accumulated batch, which keeps gradient accumulation exact) and by the number of target tokens otherwise; the
-    NLL carries no gradient (it is for logging). Computed in float32 so bf16 training keeps an accurate loss.
-    """
-    vocab_size = logits.shape[-1]
-    flat_labels = labels.reshape(-1)
-    token_nll, token_smooth = token_loss_terms(logits, flat_labels, ignore_index)
-    spread = epsilon / (vocab_size - 1)
-    loss = (1.0 - epsilon - spread) * token_nll.sum()
-    if spread:
-        loss = loss + spread * token_smooth.sum()
-    nll = token_nll.detach().sum()
-    denominator = num_items_in_batch if num_items_in_batch is not None else flat_labels.ne(ignore_index).sum().clamp(min=1)
-    if isinstance(denominator, torch.Tensor):
-        denominator = denominator.to(loss.device)
-    return loss / denominator, nll / denominator
 
 
 def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
@@ -1699,7 +1067,7 @@ class FlexformerPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["FlexformerEncoderLayer", "FlexformerDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = [CACHE_NAME]
     _supports_sdpa = True
     _supports_attention_backend = True
     components: BackboneComponents = BackboneComponents()
@@ -1783,6 +1151,7 @@ class FlexformerModel(FlexformerPreTrainedModel):
     def get_decoder(self):
         return self.decoder
 
+    @accepts_cache_argument
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -1824,7 +1193,7 @@ class FlexformerModel(FlexformerPreTrainedModel):
                 hidden_states=encoder_outputs[1] if len(encoder_outputs) > 1 else None,
                 attentions=encoder_outputs[2] if len(encoder_outputs) > 2 else None,
             )
-        if self.training and self.is_gradient_checkpointing and use_cache:
+        if self.training and self.is_activation_checkpointing and use_cache:
             use_cache = False
         decoder_outputs = self.decoder(
             input_ids=decoder_input_ids,
@@ -1841,7 +1210,7 @@ class FlexformerModel(FlexformerPreTrainedModel):
         )
         output = Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
-            past_key_values=decoder_outputs.past_key_values,
+            **cache_field(output_cache(decoder_outputs)),
             decoder_hidden_states=decoder_outputs.hidden_states,
             decoder_attentions=decoder_outputs.attentions,
             cross_attentions=decoder_outputs.cross_attentions,
@@ -1895,7 +1264,7 @@ class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, GenerationMi
         """Use a `SourceGroupedCache` when `generate()` repeats each source (beams or several samples); refuse a
         static cache where the method's decoding cannot use one."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get("past_key_values")
+        cache = generation_cache(model_kwargs)
         if self.static_cache_unsupported_reason is not None and static_cache_capacity(cache) is not None:
             raise ValueError(
                 f"{type(self).__name__} cannot generate with a static cache (cache_implementation="
@@ -1910,8 +1279,8 @@ class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, GenerationMi
             cache.self_attention_cache = self._generation_self_attention_cache(cache.self_attention_cache)
         group = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
         if type(cache) is EncoderDecoderCache and group > 1 and not getattr(cache, "_is_user_defined", False):
-            model_kwargs["past_key_values"] = SourceGroupedCache(
-                cache.self_attention_cache, cache.cross_attention_cache, group
+            set_generation_cache(
+                model_kwargs, SourceGroupedCache(cache.self_attention_cache, cache.cross_attention_cache, group)
             )
 
     def _generation_self_attention_cache(self, cache: DynamicCache) -> Cache:
@@ -1926,6 +1295,15 @@ class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, GenerationMi
             model_kwargs["attention_mask"] = inputs_tensor.ne(self.config.pad_token_id).long()
         return super()._prepare_text_encoder_decoder_kwargs_for_generation(inputs_tensor, model_kwargs, *args, **kwargs)
 
+    def _get_logits_processor(self, generation_config, *args, **kwargs) -> LogitsProcessorList:
+        """Transformers' processors, after one that never lets a hypothesis continue with the padding token, as
+        fairseq's generator does: a generated `<pad>` would read as padding to every later step (positions, the
+        decoder's padding mask), so the hypothesis would mean something else than it scored."""
+        processors = super()._get_logits_processor(generation_config, *args, **kwargs)
+        device = kwargs.get("device") or self.device
+        processors.insert(0, SuppressTokensLogitsProcessor([self.config.pad_token_id], device=device))
+        return processors
+
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
@@ -1935,6 +1313,7 @@ class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, GenerationMi
             logits, labels, self.config.label_smoothing, num_items_in_batch=num_items_in_batch
         )
 
+    @accepts_cache_argument
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -2003,7 +1382,7 @@ class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, GenerationMi
         return output_class(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **cache_field(output_cache(outputs)),
             decoder_hidden_states=outputs.decoder_hidden_states,
             decoder_attentions=outputs.decoder_attentions,
             cross_attentions=outputs.cross_attentions,
@@ -2031,10 +1410,7 @@ __all__ = [
     "LearnedPositionalEmbedding",
     "PerRowSublayerOrder",
     "SinusoidalPositionalEmbedding",
-    "SourceGroupedCache",
-    "StepKVCollector",
     "host_sync_forbidden",
-    "label_smoothed_nll_loss",
     "make_positions",
     "shift_tokens_right",
     "sinusoidal_table",

@@ -29,23 +29,21 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from flexformers.configuration.configuration_indigo import InDIGOConfig
 from torch import nn
 from transformers.generation import GenerationConfig, LogitsProcessorList
-from transformers.modeling_outputs import BaseModelOutput
+from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 from transformers.utils import ModelOutput
 
-from configuration.configuration_indigo import InDIGOConfig
-
+from .cpu_kernels import PrepackedLinear
+from .kv_caches import SourceGroupedCache, SpareBuffers, new_decoder_cache
 from .modeling_flexformer import (
     BackboneComponents,
     FlexformerAttention,
     FlexformerForConditionalGeneration,
     FlexformerModel,
-    PrepackedLinear,
-    SourceGroupedCache,
-    SpareBuffers,
-    new_decoder_cache,
 )
+from .transformers_compat import accepts_cache_argument, cache_field, output_cache
 
 LEFT = -1
 RIGHT = 1
@@ -267,17 +265,13 @@ class InDIGOSelfAttention(FlexformerAttention):
 
 
 @dataclass
-class InDIGOSeq2SeqOutput(ModelOutput):
-    """Teacher-forced InDIGO forward: ``loss`` = word + position loss (Eq. 10, 11) per target token."""
+class InDIGOSeq2SeqOutput(Seq2SeqLMOutput):
+    """Teacher-forced InDIGO forward: ``loss`` = word + position loss (Eq. 10, 11) per target token; the standard
+    sequence-to-sequence fields (the cache under the running Transformers' name), then InDIGO's own."""
 
-    loss: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
     pointer_logits: torch.Tensor | None = None
     word_loss: torch.Tensor | None = None
     position_loss: torch.Tensor | None = None
-    past_key_values: object | None = None
-    decoder_hidden_states: tuple | None = None
-    encoder_last_hidden_state: torch.Tensor | None = None
     searched_orders: torch.Tensor | None = None
     searched_scores: torch.Tensor | None = None
 
@@ -569,7 +563,7 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
             use_cache=use_cache,
             relative_positions=relative_positions,
         )
-        return outputs.last_hidden_state, outputs.past_key_values
+        return outputs.last_hidden_state, output_cache(outputs)
 
     def _encode(self, input_ids, attention_mask, encoder_outputs=None):
         if encoder_outputs is None:
@@ -625,6 +619,7 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
             pointer_log_probs if return_logits else None,
         )
 
+    @accepts_cache_argument
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -725,7 +720,7 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
             pointer_logits=pointer_log_probs,
             word_loss=word_part,
             position_loss=position_part,
-            past_key_values=cache,
+            **cache_field(cache),
             decoder_hidden_states=(hidden_states,),
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,
             searched_orders=searched_orders,

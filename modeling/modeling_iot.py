@@ -15,13 +15,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from flexformers.configuration.configuration_iot import IOTConfig
 from torch import nn
 from transformers.cache_utils import Cache
-from transformers.generation.utils import GenerateBeamEncoderDecoderOutput, GenerateEncoderDecoderOutput
+from transformers.generation.utils import (
+    GenerateBeamEncoderDecoderOutput,
+    GenerateEncoderDecoderOutput,
+)
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
-from configuration.configuration_iot import IOTConfig
-
+from .losses import token_loss_terms
 from .modeling_flexformer import (
     BackboneComponents,
     FlexformerAttention,
@@ -29,8 +32,8 @@ from .modeling_flexformer import (
     FlexformerModel,
     FlexformerPreTrainedModel,
     PerRowSublayerOrder,
-    token_loss_terms,
 )
+from .transformers_compat import accepts_cache_argument
 
 # ---------------------------------------------------------------------------------------------------------------
 # The paper's equations, one function each (all computed in fp32: they take logs of probabilities).
@@ -523,6 +526,7 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
 
     # -- forward -----------------------------------------------------------------------------------------------
 
+    @accepts_cache_argument
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

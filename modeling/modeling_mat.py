@@ -36,7 +36,7 @@ from transformers.models.roberta.modeling_roberta import (
     RobertaSelfAttention,
 )
 
-from configuration.configuration_mat import (
+from flexformers.configuration.configuration_mat import (
     MAT_BRANCH_FIELDS,
     MAT_SHAPE_FIELDS,
     MATBertConfig,

@@ -4,30 +4,45 @@ import math
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, CompileConfig, GenerationConfig
-from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache, StaticCache
-
-import flexformers  # noqa: F401  (registers the model types)
-from configuration import PRESETS, FlexformerConfig
-from modeling.modeling_flexformer import (
+from flexformers.configuration import PRESETS, FlexformerConfig
+from flexformers.modeling.cpu_kernels import (
+    VocabularyProjection,
+    dropout,
+    scaled_keep_mask,
+)
+from flexformers.modeling.kv_caches import (
+    PreallocatedKVLayer,
+    StepKVCollector,
+    new_decoder_cache,
+    static_cache_capacity,
+)
+from flexformers.modeling.losses import label_smoothed_nll_loss, token_loss_terms
+from flexformers.modeling.modeling_flexformer import (
     BranchMergeLinear,
     FlexformerDecoder,
     FlexformerForConditionalGeneration,
     FlexformerModel,
     PerRowSublayerOrder,
-    PreallocatedKVLayer,
-    StepKVCollector,
-    VocabularyProjection,
-    dropout,
-    scaled_keep_mask,
-    label_smoothed_nll_loss,
+    _positions_for,
     make_positions,
-    new_decoder_cache,
-    token_loss_terms,
     sinusoidal_table,
-    static_cache_capacity,
 )
-from modeling.modeling_flexformer import _positions_for
+from flexformers.modeling.transformers_compat import cache_field, output_cache
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForSeq2SeqLM,
+    CompileConfig,
+    GenerationConfig,
+)
+from transformers.cache_utils import (
+    DynamicCache,
+    DynamicLayer,
+    EncoderDecoderCache,
+    StaticCache,
+)
+
+import flexformers  # noqa: F401  (registers the model types)
 from tests.conftest import tiny_config_kwargs
 
 PAD = 1
@@ -50,7 +65,7 @@ def incremental_logits(model, source, decoder_input_ids, cache=None, **kwargs):
     out = model(
         input_ids=source, decoder_input_ids=decoder_input_ids[:, :1], use_cache=True, past_key_values=cache, **kwargs
     )
-    logits, cache = [out.logits], out.past_key_values
+    logits, cache = [out.logits], output_cache(out)
     for t in range(1, decoder_input_ids.shape[1]):
         out = model(
             encoder_outputs=(out.encoder_last_hidden_state,),
@@ -517,11 +532,11 @@ def test_generation_with_preallocated_cache_equals_dynamic_cache(options):
     kwargs = dict(max_new_tokens=40, min_new_tokens=40, return_dict_in_generate=True, output_scores=True, **options)
     ours = model.generate(source, **kwargs)
     plain_cache = EncoderDecoderCache(DynamicCache(config=model.config), DynamicCache(config=model.config))
-    plain = model.generate(source, past_key_values=plain_cache, **kwargs)
+    plain = model.generate(source, **cache_field(plain_cache), **kwargs)
     assert torch.equal(ours.sequences, plain.sequences)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(ours.scores, plain.scores))
-    assert type(ours.past_key_values.self_attention_cache.layers[0]) is PreallocatedKVLayer
-    assert type(plain.past_key_values.self_attention_cache.layers[0]) is DynamicLayer
+    assert type(output_cache(ours).self_attention_cache.layers[0]) is PreallocatedKVLayer
+    assert type(output_cache(plain).self_attention_cache.layers[0]) is DynamicLayer
 
 
 # ---- static cache (generate(cache_implementation="static"), the compiled decoding step) ---------------------------
@@ -573,7 +588,7 @@ def test_static_cache_generation_equals_default_cache(options, learned_pos):
     default = model.generate(source, **kwargs)
     torch.manual_seed(3)
     static = model.generate(source, cache_implementation="static", **kwargs)
-    assert static_cache_capacity(static.past_key_values) is not None
+    assert static_cache_capacity(output_cache(static)) is not None
     assert torch.equal(static.sequences, default.sequences)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(static.scores, default.scores))
 
@@ -734,8 +749,8 @@ def test_per_row_plan_is_a_shortest_common_supersequence_of_the_orders():
     (IOT's default 4 decoder orders: 5 calls per block instead of 8 stage by stage; all 6 orders: 7)."""
     import itertools
 
-    from configuration.configuration_iot import DECODER_ORDER_CODES
-    from modeling.modeling_flexformer import shortest_common_schedule
+    from flexformers.configuration.configuration_iot import DECODER_ORDER_CODES
+    from flexformers.modeling.modeling_flexformer import shortest_common_schedule
 
     def contains(schedule, order):
         remaining = iter(schedule)
@@ -797,7 +812,7 @@ def test_step_kv_collector_refuses_a_partial_write():
     model = tiny_model()
     source, target = batch()
     out = model(input_ids=source, decoder_input_ids=target[:, :1], use_cache=True)
-    collector = StepKVCollector(out.past_key_values.self_attention_cache, 0, 3)
+    collector = StepKVCollector(output_cache(out).self_attention_cache, 0, 3)
     keys = torch.zeros(1, 4, 1, 8)
     collector.add(torch.tensor([0]), keys, keys)
     with pytest.raises(RuntimeError, match="every row"):
@@ -807,7 +822,7 @@ def test_step_kv_collector_refuses_a_partial_write():
 def _cache_after_steps_and_a_copy(model, steps: int):
     """The model's decoding cache after `steps` target tokens, and an independent `DynamicCache` copy of it."""
     source, target = batch()
-    cache = model(input_ids=source, decoder_input_ids=target[:, :steps], use_cache=True).past_key_values
+    cache = output_cache(model(input_ids=source, decoder_input_ids=target[:, :steps], use_cache=True))
     reference_cache = type(cache)(DynamicCache(), DynamicCache())
     for idx, layer in enumerate(cache.self_attention_cache.layers):
         reference_cache.self_attention_cache.update(layer.keys.clone(), layer.values.clone(), idx)
@@ -859,7 +874,7 @@ def test_collector_writes_an_all_rows_stage_in_place_into_the_preallocated_cache
 
 
 def test_whole_groups_recognises_all_beams_of_some_sentences():
-    from modeling.modeling_flexformer import _whole_groups
+    from flexformers.modeling.modeling_flexformer import _whole_groups
 
     assert torch.equal(_whole_groups(torch.tensor([3, 4, 5, 9, 10, 11]), 3), torch.tensor([1, 3]))
     assert _whole_groups(torch.tensor([3, 4, 5, 9, 10]), 3) is None  # a partial sentence
@@ -880,7 +895,7 @@ def test_decoder_pieces_compose_to_forward():
         encoder_out = model.model.encoder(input_ids=source).last_hidden_state
         decoder = model.model.decoder
         hidden = decoder.embed(target)
-        from modeling.modeling_flexformer import padding_mask
+        from flexformers.modeling.modeling_flexformer import padding_mask
 
         cross_mask = padding_mask(source.ne(PAD).long(), hidden.dtype)
         for idx in range(len(decoder.layers)):
@@ -908,9 +923,8 @@ def test_layerdrop_only_while_training():
 def test_source_grouped_cache_equals_per_row_cross_attention(tmp_path):
     """Beam search's copies of a source share one set of cross-attention keys/values (SourceGroupedCache);
     logits and attention weights equal the standard per-row cache, and reordering beams leaves them valid."""
+    from flexformers.modeling.kv_caches import SourceGroupedCache
     from transformers.cache_utils import DynamicCache, EncoderDecoderCache
-
-    from modeling.modeling_flexformer import SourceGroupedCache
 
     tiny_model().save_pretrained(tmp_path)
     model = FlexformerForConditionalGeneration.from_pretrained(tmp_path, attn_implementation="eager").eval()
@@ -950,7 +964,7 @@ def test_source_grouped_cache_equals_per_row_cross_attention(tmp_path):
 def test_grouped_beam_queries_take_the_same_values_with_products_or_sdpa():
     """On CPU the folded beam queries of a SourceGroupedCache use the two batched products instead of SDPA; both
     give the same beam search."""
-    from modeling.modeling_flexformer import FlexformerAttention
+    from flexformers.modeling.modeling_flexformer import FlexformerAttention
 
     model = tiny_model()
     source, _ = batch()
@@ -987,7 +1001,7 @@ def test_generate_infers_the_source_padding_mask():
 @pytest.fixture
 def always_prepack(monkeypatch):
     """Take the prepacked oneDNN path for every inference linear (tiny weights never pay on their own)."""
-    import modeling.modeling_flexformer as backbone
+    import flexformers.modeling.cpu_kernels as backbone
 
     if not backbone._prepacking_possible():
         pytest.skip("this torch build has no oneDNN linear")

@@ -59,14 +59,14 @@ def test_sao_floor_prices_exactly_the_searchs_weight_products(word_query_project
     prints is the search's own arithmetic at the best product speed."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from modeling import modeling_flexformer
+    from flexformers.modeling import cpu_kernels
 
     # the FLOP counter sees `mm`/`addmm` only, not the packed oneDNN product: plain products on both sides
-    monkeypatch.setattr(modeling_flexformer, "PREPACK_INFERENCE_WEIGHTS", False)
+    monkeypatch.setattr(cpu_kernels, "PREPACK_INFERENCE_WEIGHTS", False)
 
     from tests.conftest import tiny_config_kwargs
-    from configuration.configuration_indigo import InDIGOConfig
-    from modeling.modeling_indigo import InDIGOForConditionalGeneration
+    from flexformers.configuration.configuration_indigo import InDIGOConfig
+    from flexformers.modeling.modeling_indigo import InDIGOForConditionalGeneration
     from sao_floor import SearchKernels
 
     batch, length, beams = 3, 5, 4

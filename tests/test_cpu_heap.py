@@ -18,7 +18,7 @@ PROBE = textwrap.dedent(
     """
     import resource, sys
     import torch
-    from training_scripts.cpu_heap import retain_freed_memory
+    from flexformers.training_scripts.cpu_heap import retain_freed_memory
     applied = retain_freed_memory() if sys.argv[1] == "retain" else False
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1024))
@@ -55,7 +55,7 @@ def test_retained_memory_is_reused_instead_of_faulted_in_again():
 
 
 def test_retain_freed_memory_is_a_no_op_off_glibc(monkeypatch):
-    from training_scripts import cpu_heap
+    from flexformers.training_scripts import cpu_heap
 
     monkeypatch.setattr(cpu_heap, "_applied", False)
     monkeypatch.setattr(cpu_heap.platform, "libc_ver", lambda: ("musl", "1.2"))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from training_scripts.data import (
+from flexformers.training_scripts.data import (
     build_codegen_corpus,
     build_gettext_corpus,
     build_word_order_corpus,

@@ -1,19 +1,23 @@
 """Depth-Adaptive Transformer model: equivalences of the early-exit decoder, training losses, generation."""
 
+import flexformers.modeling  # noqa: F401  (registers the model types)
 import pytest
 import torch
-from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, GenerationConfig
-
-import modeling  # noqa: F401  (registers the model types)
-from configuration.configuration_depth_adaptive import DepthAdaptiveConfig
-from configuration.configuration_flexformer import FlexformerConfig
-from modeling.modeling_depth_adaptive import (
+from flexformers.configuration.configuration_depth_adaptive import DepthAdaptiveConfig
+from flexformers.configuration.configuration_flexformer import FlexformerConfig
+from flexformers.modeling.losses import label_smoothed_nll_loss
+from flexformers.modeling.modeling_depth_adaptive import (
     DepthAdaptiveForConditionalGeneration,
     DepthAdaptiveModel,
     exit_loss_weights,
     scale_gradient,
 )
-from modeling.modeling_flexformer import FlexformerForConditionalGeneration, label_smoothed_nll_loss, padding_mask
+from flexformers.modeling.modeling_flexformer import (
+    FlexformerForConditionalGeneration,
+    padding_mask,
+)
+from flexformers.modeling.transformers_compat import output_cache
+from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, GenerationConfig
 
 TINY = dict(
     vocab_size=60,
@@ -170,7 +174,7 @@ def test_incremental_early_exit_equals_recomputation_with_the_same_exits_and_cop
                 encoder_outputs=encoder_outputs, attention_mask=attention_mask,
                 decoder_input_ids=decoder_input[:, t : t + 1], past_key_values=cache, use_cache=True, **settings,
             )
-            cache = step.past_key_values
+            cache = output_cache(step)
             step_logits.append(step.logits)
             step_exits.append(step.exits)
         logits, exits = torch.cat(step_logits, 1), torch.cat(step_exits, 1)
@@ -208,7 +212,7 @@ def test_copied_states_feed_the_upper_blocks_keys_and_values():
         first = decoder.run_layer(0, embedded, **mask)[0]
         for layer_idx in (1, 2):
             keys, values = decoder.layers[layer_idx].self_attn.project_key_value(first)
-            cached = output.past_key_values.self_attention_cache.layers[layer_idx]
+            cached = output_cache(output).self_attention_cache.layers[layer_idx]
             torch.testing.assert_close(cached.keys, keys)
             torch.testing.assert_close(cached.values, values)
 
@@ -265,8 +269,8 @@ def test_deferred_copied_states_give_the_eager_generation_and_cache(beams, setti
     assert torch.equal(deferred.exits, eager.exits)
     for deferred_scores, eager_scores in zip(deferred.scores, eager.scores):
         torch.testing.assert_close(deferred_scores, eager_scores, rtol=1e-5, atol=1e-5)
-    deferred_cache = deferred.past_key_values.self_attention_cache
-    eager_cache = eager.past_key_values.self_attention_cache
+    deferred_cache = output_cache(deferred).self_attention_cache
+    eager_cache = output_cache(eager).self_attention_cache
     assert type(deferred_cache).__name__ == "CopiedStateCache" and not deferred_cache.defer_copied_states
     if settings["exit_strategy"] == "fixed":  # every step stopped below the top: its copied states were recorded
         assert deferred_cache._recorded_until == deferred.sequences.shape[1] - 1
@@ -286,15 +290,15 @@ def test_deferred_copied_states_over_a_generation_longer_than_the_first_buffer()
     eager = _generate_with_cache(model, source, False, **kwargs)
     assert deferred.sequences.shape[1] == 41
     assert torch.equal(deferred.sequences, eager.sequences) and torch.equal(deferred.exits, eager.exits)
-    for deferred_layer, eager_layer in zip(deferred.past_key_values.self_attention_cache.layers,
-                                           eager.past_key_values.self_attention_cache.layers):
+    for deferred_layer, eager_layer in zip(output_cache(deferred).self_attention_cache.layers,
+                                           output_cache(eager).self_attention_cache.layers):
         torch.testing.assert_close(deferred_layer.keys, eager_layer.keys, rtol=1e-5, atol=1e-6)
 
 
 def _deferred_cache_after_steps(model, source, steps=4):
     """A CopiedStateCache after `steps` early-exit steps at exit 1 (upper blocks never run), and the eager one."""
-    from modeling.modeling_depth_adaptive import CopiedStateCache
-    from modeling.modeling_flexformer import new_decoder_cache
+    from flexformers.modeling.kv_caches import new_decoder_cache
+    from flexformers.modeling.modeling_depth_adaptive import CopiedStateCache
 
     caches = []
     for defer in (True, False):

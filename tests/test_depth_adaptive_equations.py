@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from configuration.configuration_depth_adaptive import DepthAdaptiveConfig
-from modeling.modeling_depth_adaptive import (
+from flexformers.configuration.configuration_depth_adaptive import DepthAdaptiveConfig
+from flexformers.modeling.modeling_depth_adaptive import (
     DecoderFlopsShape,
     aligned_decoding_loss,
     average_exit,

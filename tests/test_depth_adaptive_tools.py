@@ -6,10 +6,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import modeling  # noqa: F401
-from configuration.configuration_depth_adaptive import DepthAdaptiveConfig
-from modeling.modeling_depth_adaptive import DepthAdaptiveForConditionalGeneration
-from training_scripts.depth_adaptive_tools import (
+import flexformers.modeling  # noqa: F401
+from flexformers.configuration.configuration_depth_adaptive import DepthAdaptiveConfig
+from flexformers.modeling.modeling_depth_adaptive import DepthAdaptiveForConditionalGeneration
+from flexformers.training_scripts.depth_adaptive_tools import (
     best_per_cost_bucket,
     pareto_front,
     plot_exits,
@@ -17,13 +17,13 @@ from training_scripts.depth_adaptive_tools import (
     sample_thresholds,
     write_table,
 )
-from training_scripts.methods.depth_adaptive import (
+from flexformers.training_scripts.methods.depth_adaptive import (
     SPEC,
     DepthAdaptiveArguments,
     apply_depth_adaptive_flags,
     build_depth_adaptive_model,
 )
-from training_scripts.model_registry import get_method_spec
+from flexformers.training_scripts.model_registry import get_method_spec
 
 TINY = dict(vocab_size=40, encoder_embed_dim=16, decoder_embed_dim=16, encoder_ffn_embed_dim=32,
             decoder_ffn_embed_dim=32, encoder_layers=1, decoder_layers=3, encoder_attention_heads=2,

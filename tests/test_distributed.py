@@ -19,7 +19,7 @@ RANK_SCRIPT = '''
 import hashlib, json, os, sys
 import torch
 from transformers import TrainerCallback
-from training_scripts import train
+from flexformers.training_scripts import train
 
 
 class Fingerprint(TrainerCallback):
@@ -77,7 +77,7 @@ def test_accelerate_configs_are_valid(name):
     config = ClusterConfig.from_yaml_file(str(CONFIGS / name))
     assert DistributedType(config.distributed_type) in (DistributedType.MULTI_GPU, DistributedType.FSDP)
     if name == "fsdp.yaml":
-        import modeling.modeling_flexformer as backbone
+        import flexformers.modeling.modeling_flexformer as backbone
 
         for layer in config.fsdp_config["fsdp_transformer_layer_cls_to_wrap"].split(","):
             assert hasattr(backbone, layer), layer

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from training_scripts import export_to_hub
-from training_scripts.export_to_hub import (
+from flexformers.training_scripts import export_to_hub
+from flexformers.training_scripts.export_to_hub import (
     ExportError,
     ExportOptions,
     check_flat_remote_code,
@@ -62,7 +62,7 @@ EVAL_RESULTS = {
 def discovered_model_types() -> list[str]:
     """Every model type with a method module or a modeling file: a modeling file without a method module (or
     the reverse) is a failure of that type's tests, not a silent skip."""
-    from training_scripts.model_registry import available_model_types
+    from flexformers.training_scripts.model_registry import available_model_types
 
     from_files = {path.stem[len("modeling_"):] for path in (REPO_ROOT / "modeling").glob("modeling_*.py")}
     return sorted(set(available_model_types()) | from_files)
@@ -105,7 +105,7 @@ GOOD_TREE = {
     "modeling/__init__.py": "import sys  # the package init registers things; never copied\n",
     "modeling/modeling_base.py": """\
         import collections
-        from configuration.configuration_base import BaseConfig
+        from flexformers.configuration.configuration_base import BaseConfig
 
 
         class BaseModel:
@@ -113,7 +113,7 @@ GOOD_TREE = {
     """,
     "modeling/modeling_child.py": """\
         \"\"\"Docstring mentioning configuration.configuration_child in prose stays as it is.\"\"\"
-        from configuration.configuration_child import (  # the config, rewritten
+        from flexformers.configuration.configuration_child import (  # the config, rewritten
             ChildConfig,
         )
 
@@ -143,7 +143,7 @@ def test_flatten_follows_imports_and_rewrites_only_project_absolute_ones(tmp_pat
     assert "from .modeling_base import BaseModel" in child
     assert "Docstring mentioning configuration.configuration_child in prose" in child
     assert files["modeling_base.py"] == (root / "modeling/modeling_base.py").read_text().replace(
-        "from configuration.configuration_base", "from .configuration_base"
+        "from flexformers.configuration.configuration_base", "from .configuration_base"
     )
     # Files that needed no rewrite are copied byte for byte.
     assert files["configuration_child.py"] == (root / "configuration/configuration_child.py").read_text()
@@ -187,6 +187,11 @@ def test_flattened_tree_imports_as_one_package_without_the_project_packages(tmp_
         ("from ..configuration import configuration_base", r"reaches outside its package"),
         ("from .missing_module import Thing", r"missing_module.py does not exist"),
         ("from configuration.configuration_missing import Thing", r"configuration_missing.py does not exist"),
+        ("from flexformers.training_scripts.data import load_corpus", r"`from flexformers.training_scripts.data import \.\.\.` cannot"),
+        ("from flexformers import FlexformerConfig", r"`from flexformers import \.\.\.` cannot be flattened"),
+        ("import flexformers.configuration.configuration_base", r"`import flexformers.configuration.configuration_base` cannot"),
+        ("from flexformers.configuration import configuration_base", r"`from flexformers.configuration import \.\.\.` cannot"),
+        ("from flexformers.configuration.configuration_missing import Thing", r"configuration_missing.py does not exist"),
         ("from .sub.module import Thing", r"sub-package"),
         ("def f():\n    import pandas", r"modeling_child.py:2: .*`import pandas`"),
         ("try:\n    import numpy\nexcept ImportError:\n    numpy = None", r"`import numpy`"),
@@ -351,15 +356,15 @@ TINY_TEXTS = [
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer():
-    from training_scripts.tokenizer import train_bpe_tokenizer
+    from flexformers.training_scripts.tokenizer import train_bpe_tokenizer
 
     return train_bpe_tokenizer(TINY_TEXTS * 4, vocab_size=280, min_frequency=1)
 
 
 @pytest.fixture
 def baseline_checkpoint(tmp_path, tiny_tokenizer):
-    from configuration.configuration_flexformer import FlexformerConfig
-    from modeling.modeling_flexformer import FlexformerForConditionalGeneration
+    from flexformers.configuration.configuration_flexformer import FlexformerConfig
+    from flexformers.modeling.modeling_flexformer import FlexformerForConditionalGeneration
     from tests.conftest import tiny_config_kwargs
 
     torch.manual_seed(0)
@@ -379,7 +384,7 @@ def leftovers(parent: Path) -> list[str]:
 def test_export_writes_a_complete_hub_folder(tmp_path, baseline_checkpoint):
     from huggingface_hub import ModelCard
 
-    from modeling.modeling_flexformer import FlexformerForConditionalGeneration
+    from flexformers.modeling.modeling_flexformer import FlexformerForConditionalGeneration
 
     out = export_checkpoint(baseline_checkpoint, tmp_path / "hub", ExportOptions(hub_model_id="someone/tiny"))
 
@@ -412,10 +417,10 @@ def test_export_writes_a_complete_hub_folder(tmp_path, baseline_checkpoint):
 def test_separate_vocabularies_ship_the_source_tokenizer_in_a_subfolder(tmp_path):
     from transformers import AutoTokenizer
 
-    from configuration.configuration_flexformer import FlexformerConfig
-    from modeling.modeling_flexformer import FlexformerForConditionalGeneration
+    from flexformers.configuration.configuration_flexformer import FlexformerConfig
+    from flexformers.modeling.modeling_flexformer import FlexformerForConditionalGeneration
     from tests.conftest import tiny_config_kwargs
-    from training_scripts.tokenizer import build_tokenizers, save_tokenizers
+    from flexformers.training_scripts.tokenizer import build_tokenizers, save_tokenizers
 
     source, target = build_tokenizers(
         TINY_TEXTS[::2] * 4, TINY_TEXTS[1::2] * 4, joint=False, vocab_size=270, target_vocab_size=265, min_frequency=1
@@ -600,7 +605,7 @@ def test_push_to_hub_needs_a_model_id(tmp_path, baseline_checkpoint):
 
 
 def test_training_script_passes_push_to_hub_through_to_trainer():
-    from training_scripts.train import parse_arguments
+    from flexformers.training_scripts.train import parse_arguments
 
     _, _, _, training_args, _ = parse_arguments(
         ["--model_type", "flexformer", "--output_dir", "/tmp/unused", "--push_to_hub", "--hub_model_id", "someone/x"]
@@ -619,11 +624,25 @@ def _installed_version(name: str) -> str:
     return importlib.metadata.version(name).split("+")[0]
 
 
-def clean_venv_python() -> Path:
+#: The oldest Transformers release flexformers supports (setup.cfg); exported folders must load there too.
+FLOOR_TRANSFORMERS = "5.23.0"
+
+
+def remote_transformers_versions() -> list[str]:
+    """The Transformers releases a reader may load an exported folder with: the one installed here and, if that is
+    newer, the supported floor — one export, loaded under both ends of the supported range."""
+    installed = _installed_version("transformers")
+    return [installed] if installed == FLOOR_TRANSFORMERS else [installed, FLOOR_TRANSFORMERS]
+
+
+def clean_venv_python(transformers_version: str | None = None) -> Path:
     """The Python of a virtual environment holding only torch, transformers, tokenizers and safetensors (and their
-    own dependencies), pinned to the versions installed here; built once per versions and cached in the temp
-    directory (a file lock makes concurrent test runs wait for one build)."""
+    own dependencies), pinned to the versions installed here (Transformers to `transformers_version` when given,
+    with the tokenizers/safetensors pip picks for it); built once per versions and cached in the temp directory
+    (a file lock makes concurrent test runs wait for one build)."""
     pins = [f"{name}=={_installed_version(name)}" for name in REMOTE_PACKAGES]
+    if transformers_version is not None and transformers_version != _installed_version("transformers"):
+        pins = [f"torch=={_installed_version('torch')}", f"transformers=={transformers_version}", "tokenizers", "safetensors"]
     key = hashlib.sha256(" ".join([sys.version, *pins]).encode()).hexdigest()[:16]
     venv = Path(tempfile.gettempdir()) / f"flexformers-hub-venv-{key}"
     python = venv / "bin" / "python"
@@ -663,7 +682,7 @@ import torch, transformers
 from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, AutoTokenizer
 
 torch.set_num_threads(1)
-results = {"leaked": leaked, "sys_path": sys.path, "packages": sorted(
+results = {"leaked": leaked, "sys_path": sys.path, "transformers_version": transformers.__version__, "packages": sorted(
     d.metadata["Name"].lower() for d in importlib.metadata.distributions())}
 for model_type, folder in request["folders"].items():
     try:
@@ -731,7 +750,7 @@ def _write_corpus(directory: Path) -> dict[str, Path]:
 def _train_decode_export(model_type: str, work: Path, corpus: dict[str, Path]) -> Path:
     """The pipeline end to end: flexformers-train (a few steps), flexformers-decode (eval_results.json),
     flexformers-export."""
-    from training_scripts import decode, train
+    from flexformers.training_scripts import decode, train
 
     run_dir = work / f"run-{model_type}"
     train.main([
@@ -770,7 +789,6 @@ def remote_results(tmp_path_factory):
                 failures[model_type] = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
     finally:
         torch.set_num_threads(threads)
-    python = clean_venv_python()
     request = work / "request.json"
     request.write_text(json.dumps({"folders": {k: str(v) for k, v in folders.items()}, "sentences": SENTENCES}))
     remote_home = work / "remote-home"
@@ -783,13 +801,18 @@ def remote_results(tmp_path_factory):
         "OMP_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    output = work / "remote.json"
-    result = subprocess.run(
-        [str(python), "-I", "-c", REMOTE_SCRIPT, str(request), str(output)],
-        cwd=remote_home, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
-    )
-    assert result.returncode == 0, result.stderr[-5000:]
-    return folders, failures, json.loads(output.read_text())
+    remote_by_version = {}
+    for version in remote_transformers_versions():
+        output = work / f"remote-{version}.json"
+        result = subprocess.run(
+            [str(clean_venv_python(version)), "-I", "-c", REMOTE_SCRIPT, str(request), str(output)],
+            cwd=remote_home, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+        )
+        assert result.returncode == 0, f"transformers {version}:\n{result.stderr[-5000:]}"
+        remote_by_version[version] = json.loads(output.read_text())
+    remote = remote_by_version[_installed_version("transformers")]
+    remote["by_version"] = remote_by_version
+    return folders, failures, remote
 
 
 @pytest.mark.slow
@@ -807,8 +830,8 @@ def test_clean_venv_has_only_the_four_packages_and_no_flexformers(remote_results
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_exported_model_generates_exactly_like_the_project_model(remote_results, model_type):
-    from training_scripts.model_registry import get_method_spec
-    from training_scripts.tokenizer import load_tokenizers
+    from flexformers.training_scripts.model_registry import get_method_spec
+    from flexformers.training_scripts.tokenizer import load_tokenizers
 
     folders, failures, remote = remote_results
     assert model_type not in failures, f"train/decode/export of {model_type} failed:\n{failures.get(model_type)}"
@@ -837,6 +860,10 @@ def test_exported_model_generates_exactly_like_the_project_model(remote_results,
     assert generation["num_beams"] == 2  # the evaluation's decoding settings travel with the folder
     assert default.tolist() == loaded["default"]
     assert greedy.tolist() == loaded["greedy"]
+    for version, other in remote["by_version"].items():  # the same folder under each end of the supported range
+        assert "error" not in other[model_type], f"transformers {version}: {other[model_type].get('error')}"
+        assert other["transformers_version"] == version
+        assert (other[model_type]["default"], other[model_type]["greedy"]) == (loaded["default"], loaded["greedy"]), version
     assert default.shape[1] > 1
     if model_type == "depth_adaptive":
         # The compared decoding really exited early, with the settings carried by generation_config.json.

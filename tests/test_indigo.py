@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForSeq2SeqLM, GenerationConfig
 
-import modeling  # noqa: F401  (registers the model types)
-from configuration.configuration_indigo import InDIGOConfig
-from modeling.modeling_indigo import (
+import flexformers.modeling  # noqa: F401  (registers the model types)
+from flexformers.configuration.configuration_indigo import InDIGOConfig
+from flexformers.modeling.modeling_indigo import (
     LEFT,
     RIGHT,
     InDIGOForConditionalGeneration,
@@ -31,7 +31,7 @@ from modeling.modeling_indigo import (
     relative_positions_from_absolute,
     replay_insertions,
 )
-from training_scripts.indigo_orders import (
+from flexformers.training_scripts.indigo_orders import (
     InDIGODataCollator,
     common_token_ids_by_frequency,
     order_balanced_tree,
@@ -215,7 +215,7 @@ def test_syn_order_without_spacy_is_a_clear_error():
 
 @pytest.mark.skipif(not HAS_SPACY, reason="spaCy is not installed (the SYN order needs an English pipeline)")
 def test_syn_order_with_spacy():
-    from training_scripts.indigo_orders import load_spacy_pipeline, order_syntax_tree
+    from flexformers.training_scripts.indigo_orders import load_spacy_pipeline, order_syntax_tree
 
     order = order_syntax_tree(["the", "cat", "sat", "down"], load_spacy_pipeline())
     assert sorted(order) == [0, 1, 2, 3] and order[0] == 2
@@ -515,7 +515,7 @@ def test_sao_training_loss_averages_the_found_orders(source):
 
 def test_sao_cuda_graph_switch_is_inert_without_a_gpu(source):
     """`sao_search_cuda_graphs` replays the search as CUDA graphs on a GPU only; on a CPU the search runs as is."""
-    from modeling.modeling_indigo import _CAPTURED_SEARCHES
+    from flexformers.modeling.modeling_indigo import _CAPTURED_SEARCHES
 
     torch.manual_seed(0)
     model = InDIGOForConditionalGeneration(tiny_config())
@@ -542,7 +542,7 @@ def test_captured_searches_copy_inputs_in_clone_outputs_out_and_keep_the_recent_
     """The graph cache's own logic, with the capture faked (no GPU here): a shape's first call runs eagerly, its
     second captures, later calls copy their inputs into the graph's buffers and get clones of its outputs; the
     least recently used shape is dropped beyond `max_graphs`; the key follows shapes, mode and parameter addresses."""
-    from modeling.modeling_indigo import CapturedSearches
+    from flexformers.modeling.modeling_indigo import CapturedSearches
 
     captures = []
 
@@ -585,7 +585,7 @@ def test_captured_searches_copy_inputs_in_clone_outputs_out_and_keep_the_recent_
 
 
 def test_sao_order_weights():
-    from modeling.modeling_indigo import sao_order_weights
+    from flexformers.modeling.modeling_indigo import sao_order_weights
 
     scores = torch.tensor([[-1.0, -2.0, float("-inf")], [-3.0, -3.0, -3.0]])
     uniform = sao_order_weights(scores, "uniform")

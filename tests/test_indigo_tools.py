@@ -8,11 +8,11 @@ import random
 import pytest
 import torch
 
-from configuration.configuration_indigo import InDIGOConfig
-from modeling.modeling_indigo import InDIGOForConditionalGeneration, relative_positions_from_absolute
-from training_scripts.indigo_orders import InDIGODataCollator, group_subword_tokens
-from training_scripts.indigo_trace import partial_sequences, render_png, render_text
-from training_scripts.methods.indigo import (
+from flexformers.configuration.configuration_indigo import InDIGOConfig
+from flexformers.modeling.modeling_indigo import InDIGOForConditionalGeneration, relative_positions_from_absolute
+from flexformers.training_scripts.indigo_orders import InDIGODataCollator, group_subword_tokens
+from flexformers.training_scripts.indigo_trace import partial_sequences, render_png, render_text
+from flexformers.training_scripts.methods.indigo import (
     SPEC,
     InDIGOArguments,
     SAOBootstrapCallback,
@@ -21,7 +21,7 @@ from training_scripts.methods.indigo import (
     make_indigo_collator,
     update_indigo_config,
 )
-from training_scripts.model_registry import get_method_spec
+from flexformers.training_scripts.model_registry import get_method_spec
 from tests.conftest import tiny_config_kwargs
 
 
@@ -63,7 +63,7 @@ def test_trainer_fills_the_frequency_cutoff(tmp_path):
     import datasets
     from transformers import Seq2SeqTrainingArguments
 
-    from training_scripts.methods.indigo import InDIGOSeq2SeqTrainer
+    from flexformers.training_scripts.methods.indigo import InDIGOSeq2SeqTrainer
 
     model = InDIGOForConditionalGeneration(tiny_config())
     collator = make_indigo_collator(None, model, InDIGOArguments(order="cf"))

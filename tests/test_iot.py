@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from configuration.configuration_iot import DECODER_ORDER_CODES, ENCODER_ORDER_CODES, IOTConfig
-from modeling.modeling_iot import (
+from flexformers.configuration.configuration_iot import DECODER_ORDER_CODES, ENCODER_ORDER_CODES, IOTConfig
+from flexformers.modeling.modeling_iot import (
     clamp_order_probs,
     diversity_loss,
     gumbel_softmax_confidences,
@@ -159,10 +159,10 @@ def test_sentence_losses_match_token_sums():
 # Model
 # ---------------------------------------------------------------------------------------------------------------
 
-import modeling  # noqa: E402  (registers the Auto classes)
-from configuration.configuration_flexformer import FlexformerConfig  # noqa: E402
-from modeling.modeling_flexformer import FlexformerForConditionalGeneration  # noqa: E402
-from modeling.modeling_iot import IOTForConditionalGeneration  # noqa: E402
+import flexformers.modeling  # noqa: E402  (registers the Auto classes)
+from flexformers.configuration.configuration_flexformer import FlexformerConfig  # noqa: E402
+from flexformers.modeling.modeling_flexformer import FlexformerForConditionalGeneration  # noqa: E402
+from flexformers.modeling.modeling_iot import IOTForConditionalGeneration  # noqa: E402
 
 TINY = dict(
     vocab_size=60, encoder_embed_dim=32, decoder_embed_dim=32, encoder_ffn_embed_dim=64, decoder_ffn_embed_dim=64,
@@ -201,7 +201,7 @@ def diverse_predictors(model, scale=30.0):
 
 @pytest.mark.parametrize("num_orders, expected", [(2, 36_742_144), (3, 36_742_656), (4, 36_743_168), (6, 36_744_192)])
 def test_parameter_counts_match_table_8(num_orders, expected):
-    from configuration.configuration_iot import PAPER_DECODER_ORDERS
+    from flexformers.configuration.configuration_iot import PAPER_DECODER_ORDERS
 
     with torch.device("meta"):
         config = IOTConfig.from_preset(
@@ -389,7 +389,7 @@ def test_beam_search_over_an_even_mix_of_four_orders_attends_once_per_sentence(m
     """Sentence i takes decoder order i mod 4 (as in bench_iot): some sub-layer stages then run on gathered,
     non-contiguous rows; their cross-attention reads one key/value copy per sentence (its beams' queries folded)
     and the hypotheses and scores equal each sentence decoded alone with its order."""
-    import modeling.modeling_flexformer as backbone
+    import flexformers.modeling.modeling_flexformer as backbone
 
     model = tiny_iot(seed=1, decoder_orders=[1, 2, 4, 6])
     model.eval()
@@ -492,7 +492,7 @@ def test_save_and_auto_load_round_trip(tmp_path):
 
 
 def test_training_method_module():
-    from training_scripts.methods.iot import SPEC, GumbelTemperatureCallback, IOTArguments, parse_order_codes
+    from flexformers.training_scripts.methods.iot import SPEC, GumbelTemperatureCallback, IOTArguments, parse_order_codes
 
     assert SPEC.model_type == "iot" and SPEC.model_class is IOTForConditionalGeneration
     assert parse_order_codes("x", "146") == [1, 4, 6] and parse_order_codes("x", "1, 2,4") == [1, 2, 4]
@@ -513,7 +513,7 @@ def test_training_method_module():
 
 
 def test_order_analysis_table_and_plot(tmp_path):
-    from training_scripts.iot_order_analysis import _ForcedDecoderOrder, format_table, plot_table
+    from flexformers.training_scripts.iot_order_analysis import _ForcedDecoderOrder, format_table, plot_table
 
     table = {
         "metric": "bleu", "orders": [1, 4, 6], "predicted": [1, 4, 4, 6],

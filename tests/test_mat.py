@@ -16,11 +16,11 @@ from transformers import (
     RobertaModel,
 )
 
-import modeling  # noqa: F401  (registers the Auto classes)
-from configuration.configuration_flexformer import FlexformerConfig
-from configuration.configuration_mat import MAT_PRESETS, MATConfig, MATRobertaConfig, mat_parameter_count
-from modeling.modeling_flexformer import FlexformerAttention, FlexformerFeedForward, FlexformerForConditionalGeneration
-from modeling.modeling_mat import (
+import flexformers.modeling  # noqa: F401  (registers the Auto classes)
+from flexformers.configuration.configuration_flexformer import FlexformerConfig
+from flexformers.configuration.configuration_mat import MAT_PRESETS, MATConfig, MATRobertaConfig, mat_parameter_count
+from flexformers.modeling.modeling_flexformer import FlexformerAttention, FlexformerFeedForward, FlexformerForConditionalGeneration
+from flexformers.modeling.modeling_mat import (
     MATAttention,
     MATBertForSequenceClassification,
     MATFeedForward,
@@ -399,8 +399,8 @@ def test_wrong_checkpoints_are_rejected(baseline_dir, tmp_path):
 
 
 def test_training_script_method_module(baseline_dir):
-    from training_scripts.methods.mat import MATArguments, build_mat_model
-    from training_scripts.model_registry import get_method_spec
+    from flexformers.training_scripts.methods.mat import MATArguments, build_mat_model
+    from flexformers.training_scripts.model_registry import get_method_spec
 
     spec = get_method_spec("mat")
     assert spec.model_class is MATForConditionalGeneration and spec.config_class is MATConfig

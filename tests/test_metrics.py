@@ -5,7 +5,7 @@ import os
 import pytest
 import sacrebleu
 
-from training_scripts.metrics_utils import LOCAL_METRICS, compute_generation_metrics, load_metric
+from flexformers.training_scripts.metrics_utils import LOCAL_METRICS, compute_generation_metrics, load_metric
 
 HYPOTHESES = ["The cat sat on the mat.", "Das ist ein kleines Haus", "def f(x):\n    return x + 1", ""]
 REFERENCES = ["The cat is on the mat.", "Das Haus ist klein", "def f(y):\n    return y + 1", "nothing"]
@@ -66,7 +66,7 @@ def test_compute_generation_metrics_bundle():
 
 
 def test_modules_are_shipped_for_every_metric():
-    from training_scripts.metrics_utils import METRICS_DIR
+    from flexformers.training_scripts.metrics_utils import METRICS_DIR
 
     for name in LOCAL_METRICS:
         assert os.path.isfile(METRICS_DIR / name / f"{name}.py")

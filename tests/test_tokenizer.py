@@ -2,7 +2,7 @@
 
 import pytest
 
-from training_scripts.tokenizer import (
+from flexformers.training_scripts.tokenizer import (
     SOURCE_TOKENIZER_SUBDIR,
     SPECIAL_TOKENS,
     build_tokenizers,

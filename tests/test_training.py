@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import TrainerCallback, get_scheduler
 
-from training_scripts import decode, train
-from training_scripts.arguments import DataArguments, parse_config_overrides
-from training_scripts.model_registry import MethodSpec, available_model_types, get_method_spec
+from flexformers.training_scripts import decode, train
+from flexformers.training_scripts.arguments import DataArguments, parse_config_overrides
+from flexformers.training_scripts.model_registry import MethodSpec, available_model_types, get_method_spec
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SOURCES = [
@@ -64,11 +64,11 @@ def test_registry_contract():
 def test_registry_rejects_a_module_without_spec(monkeypatch):
     import sys
 
-    from training_scripts import model_registry
+    from flexformers.training_scripts import model_registry
 
-    module = types.ModuleType("training_scripts.methods.fake")
+    module = types.ModuleType("flexformers.training_scripts.methods.fake")
     module.SPEC = "not a spec"
-    monkeypatch.setitem(sys.modules, "training_scripts.methods.fake", module)
+    monkeypatch.setitem(sys.modules, "flexformers.training_scripts.methods.fake", module)
     monkeypatch.setattr(model_registry, "available_model_types", lambda: ["fake", "flexformer"])
     with pytest.raises(ValueError, match="must define SPEC = MethodSpec"):
         get_method_spec("fake")
@@ -107,7 +107,7 @@ def test_method_hooks_are_used(tmp_path):
     spec = MethodSpec("flexformer", base.config_class, base.model_class, arguments_class=ExtraArguments,
                       build_model=build_model, data_collator=collator, callbacks=lambda a: [Recorder()],
                       update_config=update_config)
-    import training_scripts.train as train_module
+    import flexformers.training_scripts.train as train_module
 
     original = train_module.get_method_spec
     train_module.get_method_spec = lambda name: spec
@@ -134,9 +134,9 @@ def test_config_overrides_parsing_and_label_smoothing_guard():
 def test_model_name_or_path_without_preset_keeps_the_checkpoints_architecture(tmp_path):
     """Continuing a checkpoint takes its config (dims, layers), with --config_overrides and label smoothing on top;
     a checkpoint of another model type, another vocabulary, or no config at all is a clear error."""
-    from configuration.configuration_indigo import InDIGOConfig
-    from modeling.modeling_indigo import InDIGOForConditionalGeneration
-    from training_scripts.arguments import ModelArguments
+    from flexformers.configuration.configuration_indigo import InDIGOConfig
+    from flexformers.modeling.modeling_indigo import InDIGOForConditionalGeneration
+    from flexformers.training_scripts.arguments import ModelArguments
 
     checkpoint = tmp_path / "indigo"
     InDIGOForConditionalGeneration(
@@ -284,7 +284,7 @@ def test_user_tsv_with_separate_vocabularies(tmp_path):
 
 @pytest.mark.slow
 def test_quickstart_smoke(tmp_path, capsys):
-    from training_scripts import quickstart
+    from flexformers.training_scripts import quickstart
 
     result = quickstart.run_from_argv(["--smoke", "--output_dir", str(tmp_path / "qs")])
     printed = capsys.readouterr().out

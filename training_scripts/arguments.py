@@ -95,7 +95,7 @@ class DataArguments:
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenisation."})
 
     def __post_init__(self):
-        from training_scripts.data import TASKS
+        from flexformers.training_scripts.data import TASKS
 
         if self.task not in TASKS:
             raise ValueError(f"--task must be one of {', '.join(TASKS)}, got {self.task!r}")

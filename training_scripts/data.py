@@ -457,9 +457,12 @@ def read_parallel_file(
     """Rows ``{"source", "target", "origin"}`` from one TSV / CSV / JSONL file.
 
     TSV/CSV: a header row names the columns, unless both column names are integers (0-based positions, no
-    header). JSONL: one JSON object per line with the two keys. Every problem -- missing file, empty file,
-    non-UTF-8 bytes, malformed JSON/CSV, missing column, empty or non-string field -- raises a ``ValueError``
-    naming the file and line, or (``skip_bad_lines=True``) skips that line and counts it in ``report``.
+    header). TSV has one record per line; CSV is read with the ``csv`` module (RFC 4180: quoted fields may hold
+    commas and newlines; a record is reported by its first line). JSONL: one JSON object per line with the two
+    keys. Every problem -- missing file, empty file, non-UTF-8 bytes, malformed JSON/CSV, missing column, more or
+    fewer fields than the header (without one, than the first record), empty or non-string field -- raises a
+    ``ValueError`` naming the file and line, or (``skip_bad_lines=True``) skips that record and counts it in
+    ``report``.
     """
     path = Path(path)
     if not path.is_file():
@@ -518,16 +521,15 @@ def read_parallel_file(
                 continue
             add(number, record[source_column], record[target_column])
     else:
-        delimiter = "\t" if fmt == "tsv" else ","
-        positional = source_column.isdigit() and target_column.isdigit()
-        records = [(number, text) for number, text in decoded if text.strip()]
-        if not records:
+        records = list(_delimited_records(decoded, fmt))
+        if not any(fields for _, fields, _ in records):
             raise ValueError(f"{path}: file has no non-empty lines")
-        if positional:
-            source_index, target_index = int(source_column), int(target_column)
-        else:
-            header_number, header_text = records.pop(0)
-            header = next(csv.reader([header_text], delimiter=delimiter))
+        positional = source_column.isdigit() and target_column.isdigit()
+        header_number = None
+        if not positional:
+            header_number, header, error = records.pop(0)
+            if error is not None:
+                raise ValueError(f"{path}, line {header_number}: malformed CSV header ({error})")
             missing = [c for c in (source_column, target_column) if c not in header]
             if missing:
                 raise ValueError(
@@ -535,20 +537,56 @@ def read_parallel_file(
                     f"(for a file without header pass 0-based column numbers, e.g. --source_column 0 --target_column 1)"
                 )
             source_index, target_index = header.index(source_column), header.index(target_column)
+            expected = len(header)
+        else:
+            source_index, target_index = int(source_column), int(target_column)
+            expected = None  # the file's first record sets the shape
         needed = max(source_index, target_index) + 1
-        for number, text in records:
-            try:
-                fields = next(csv.reader([text], delimiter=delimiter, strict=True)) if fmt == "csv" else text.split("\t")
-            except csv.Error as error:
+        for number, fields, error in records:
+            if error is not None:
                 bad(number, f"malformed CSV ({error})")
                 continue
+            if expected is None:
+                expected, header_number = max(len(fields), needed), number
+            shape = f"as in the header on line {header_number}" if not positional else f"as on line {header_number}"
             if len(fields) < needed:
-                bad(number, f"missing column: expected at least {needed} {fmt.upper()} fields, found {len(fields)}")
+                bad(number, f"missing column: expected {expected} {fmt.upper()} fields ({shape}), found {len(fields)}")
+                continue
+            if len(fields) != expected:
+                # A stray tab or comma inside a text splits it: taking two of the fields would train on half of it.
+                bad(number, f"{'too many' if len(fields) > expected else 'too few'} fields: expected {expected} "
+                    f"{fmt.upper()} fields ({shape}), found {len(fields)}")
                 continue
             add(number, fields[source_index], fields[target_index])
     if not rows:
         raise ValueError(f"{path}: no usable (source, target) pairs" + (f" (skipped {report.counts})" if report.counts else ""))
     return rows
+
+
+def _delimited_records(decoded: list[tuple[int, str]], fmt: str) -> Iterator[tuple[int, list[str] | None, str | None]]:
+    """``(first line number, fields, None)`` per record of a TSV or CSV file, ``(line, None, error)`` for a malformed
+    one; blank lines are left out. TSV: one record per line, fields split on tabs. CSV: the ``csv`` module over the
+    whole file (RFC 4180: a quoted field may hold commas, quotes and newlines), numbered by the record's first line."""
+    if fmt == "tsv":
+        for number, text in decoded:
+            if text.strip():
+                yield number, text.split("\t"), None
+        return
+    numbers = [number for number, _ in decoded]
+    reader = csv.reader((text + "\n" for _, text in decoded), delimiter=",", strict=True)
+    start = 0
+    while True:
+        try:
+            fields = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as error:
+            yield numbers[start], None, str(error)
+            start = reader.line_num
+            continue
+        first, start = numbers[start], reader.line_num
+        if fields and not (len(fields) == 1 and not fields[0].strip()):
+            yield first, fields, None
 
 
 def load_parallel_files(

@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 from transformers import HfArgumentParser
 
-from training_scripts.arguments import DataArguments, describe_dataset
-from training_scripts.data import SPLITS, escape_line, load_corpus
-from training_scripts.metrics_utils import compute_generation_metrics
-from training_scripts.model_registry import get_method_spec
-from training_scripts.tokenizer import load_tokenizers
+from flexformers.training_scripts.arguments import DataArguments, describe_dataset
+from flexformers.training_scripts.data import SPLITS, escape_line, load_corpus
+from flexformers.training_scripts.metrics_utils import compute_generation_metrics
+from flexformers.training_scripts.model_registry import get_method_spec
+from flexformers.training_scripts.tokenizer import load_tokenizers
 
 logger = logging.getLogger("flexformers.decode")
 EVAL_RESULTS_FILE = "eval_results.json"

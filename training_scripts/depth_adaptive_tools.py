@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from modeling.modeling_depth_adaptive import DecoderFlopsShape, average_flops_per_token
+from flexformers.modeling.modeling_depth_adaptive import DecoderFlopsShape, average_flops_per_token
 
 logger = logging.getLogger("flexformers.depth_adaptive")
 EVAL_RESULTS_FILE = "eval_results.json"
@@ -126,7 +126,7 @@ def decode_with_exits(
 
 def score(model, result: ExitDecodeResult, references: list[str], exit_strategy: str, is_code: bool) -> dict:
     """BLEU (and chrF/TER) of the hypotheses, AE and FLOPs per token (Appendix B)."""
-    from training_scripts.metrics_utils import compute_generation_metrics
+    from flexformers.training_scripts.metrics_utils import compute_generation_metrics
 
     metrics = compute_generation_metrics(result.hypotheses, references, is_code=is_code)
     shape = DecoderFlopsShape.from_config(model.config)
@@ -143,8 +143,8 @@ def score(model, result: ExitDecodeResult, references: list[str], exit_strategy:
 
 
 def load_split(model_dir: str, split: str, max_samples: int | None, overrides: dict):
-    from training_scripts.arguments import DataArguments
-    from training_scripts.data import load_corpus
+    from flexformers.training_scripts.arguments import DataArguments
+    from flexformers.training_scripts.data import load_corpus
 
     data_args = DataArguments.load(model_dir)
     if data_args is None:
@@ -282,7 +282,7 @@ def _common_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args):
-    from training_scripts.decode import load_model
+    from flexformers.training_scripts.decode import load_model
 
     model, source_tokenizer, target_tokenizer = load_model(args.model_name_or_path, "cpu", args.bf16)
     if model.config.model_type != "depth_adaptive":

@@ -13,11 +13,12 @@ of files that import each other relatively, and a ``README.md`` model card rende
 
 Why the code has to be flattened: Transformers copies a remote model file and the files it imports with
 ``from .name import ...`` into one package. The project's modeling files import their configuration as
-``from configuration.configuration_<x> import ...`` (another top-level package), which does not exist on a
-user's machine. :func:`collect_remote_code` follows the relative and project-absolute imports of the model and
-configuration files with :mod:`ast`, copies every file it reaches and rewrites ``from configuration.X import`` /
-``from modeling.X import`` to ``from .X import``; any other import that is not the standard library, ``torch``
-or ``transformers`` is an error, because it would fail on the user's side.
+``from flexformers.configuration.configuration_<x> import ...`` (the installed package), which does not exist on
+a user's machine. :func:`collect_remote_code` follows the relative and project-absolute imports of the model and
+configuration files with :mod:`ast`, copies every file it reaches and rewrites
+``from flexformers.configuration.X import`` / ``from flexformers.modeling.X import`` (and the namespace-less
+``from configuration.X import`` form) to ``from .X import``; any other import that is not the standard library,
+``torch`` or ``transformers`` is an error, because it would fail on the user's side.
 
 The export is atomic: everything is written into a temporary directory next to the output and renamed into
 place only after the folder has been checked, so a failure (not a flexformers checkpoint, a corrupt
@@ -46,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 #: Top-level packages whose modules are copied into the flat folder (the remote code).
 PROJECT_CODE_PACKAGES: tuple[str, ...] = ("modeling", "configuration")
+#: The installed package those folders live under (``flexformers.modeling``, ``flexformers.configuration``).
+PROJECT_NAMESPACE = "flexformers"
 #: Third-party top-level modules remote code may import: torch, transformers and huggingface_hub, a hard
 #: dependency of transformers (its configs use ``huggingface_hub.dataclasses.strict`` like ours).
 REMOTE_CODE_THIRD_PARTY: frozenset[str] = frozenset({"torch", "transformers", "huggingface_hub"})
@@ -110,7 +113,7 @@ class _ImportEdge:
 
     target: Path
     node: ast.ImportFrom
-    rewrite_from: str | None  # the absolute package to replace by "." (None: already relative)
+    rewrite_from: str | None  # the absolute (dotted) package to replace by "." (None: already relative)
 
 
 def _allowed_top_level_modules() -> frozenset[str]:
@@ -131,7 +134,7 @@ def _project_imports(path: Path, tree: ast.AST, source_root: Path, packages: Seq
         if isinstance(node, ast.Import):
             for alias in node.names:
                 top = alias.name.split(".")[0]
-                if top in packages:
+                if top in packages or top == PROJECT_NAMESPACE:
                     raise ExportError(
                         f"{_where(path, node)}: `import {alias.name}` cannot be flattened for remote code; "
                         f"write `from {alias.name.rsplit('.', 1)[0]}.<module> import <Name>` instead"
@@ -144,9 +147,11 @@ def _project_imports(path: Path, tree: ast.AST, source_root: Path, packages: Seq
         elif isinstance(node, ast.ImportFrom):
             if node.level == 0:
                 module = node.module or ""
-                top = module.split(".")[0]
+                parts = module.split(".")
+                namespace = parts[:1] if parts[0] == PROJECT_NAMESPACE and len(parts) > 1 and parts[1] in packages else []
+                top = parts[len(namespace)]
                 if top in packages:
-                    parts = module.split(".")
+                    parts = parts[len(namespace):]
                     if len(parts) != 2:
                         raise ExportError(
                             f"{_where(path, node)}: `from {module} import ...` cannot be flattened for remote code; "
@@ -155,7 +160,12 @@ def _project_imports(path: Path, tree: ast.AST, source_root: Path, packages: Seq
                     target = source_root / parts[0] / f"{parts[1]}.py"
                     if not target.is_file():
                         raise ExportError(f"{_where(path, node)}: `from {module} import ...` but {target} does not exist")
-                    edges.append(_ImportEdge(target=target, node=node, rewrite_from=parts[0]))
+                    edges.append(_ImportEdge(target=target, node=node, rewrite_from=".".join(namespace + parts[:1])))
+                elif parts[0] == PROJECT_NAMESPACE:
+                    raise ExportError(
+                        f"{_where(path, node)}: `from {module} import ...` cannot be flattened for remote code; import "
+                        f"from a module file, e.g. `from {PROJECT_NAMESPACE}.configuration.configuration_<name> import <Name>`"
+                    )
                 elif top not in allowed:
                     raise ExportError(
                         f"{_where(path, node)}: remote code may import only the standard library, torch, transformers, "
@@ -204,7 +214,8 @@ def _rewrite_absolute_imports(source: str, edges: Iterable[_ImportEdge]) -> str:
         spans.append((start, end, edge.rewrite_from))
     for start, end, package in sorted(spans, reverse=True):
         segment = data[start:end].decode("utf-8")
-        rewritten, count = re.subn(rf"^from\s+{re.escape(package)}\s*\.\s*", "from .", segment, count=1)
+        dotted = r"\s*\.\s*".join(re.escape(part) for part in package.split("."))
+        rewritten, count = re.subn(rf"^from\s+{dotted}\s*\.\s*", "from .", segment, count=1)
         if count != 1:
             raise ExportError(f"cannot rewrite import {segment!r}")
         data = data[:start] + rewritten.encode("utf-8") + data[end:]
@@ -336,7 +347,7 @@ class RemoteClasses:
 def resolve_model_type(model_type: str) -> RemoteClasses:
     """Config/model classes of a registered flexformers model type (via ``training_scripts/methods``), and the
     class registered for ``AutoModel`` (the model class itself when the type registers none)."""
-    from training_scripts.model_registry import available_model_types, get_method_spec
+    from flexformers.training_scripts.model_registry import available_model_types, get_method_spec
 
     known = available_model_types()
     if model_type not in known:
@@ -346,7 +357,7 @@ def resolve_model_type(model_type: str) -> RemoteClasses:
     spec = get_method_spec(model_type)
     base_model_class = spec.model_class
     try:
-        import modeling  # noqa: F401  (registers every model type with the Auto classes)
+        import flexformers.modeling  # noqa: F401  (registers every model type with the Auto classes)
         from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
         base_model_class = MODEL_MAPPING[spec.config_class]
@@ -542,7 +553,7 @@ def read_training_summary(checkpoint: Path) -> dict[str, Any]:
             summary["final_eval_loss"] = evaluations[-1]["eval_loss"]
     data_args_path = checkpoint / "flexformers_data_args.json"
     if data_args_path.is_file():
-        from training_scripts.arguments import DataArguments, describe_dataset
+        from flexformers.training_scripts.arguments import DataArguments, describe_dataset
 
         try:
             summary["training_data"] = describe_dataset(DataArguments.load(checkpoint))
@@ -599,7 +610,7 @@ _CONFIG_BOOKKEEPING = frozenset(
 def method_specific_config(config: dict[str, Any]) -> dict[str, Any]:
     """The config fields that make this model its method: the fields the baseline config does not have, and the
     backbone's seam switches where they differ from the baseline."""
-    from configuration.configuration_flexformer import FlexformerConfig
+    from flexformers.configuration.configuration_flexformer import FlexformerConfig
 
     baseline = FlexformerConfig().to_dict()
     fields = {}
@@ -791,7 +802,7 @@ def parse_overrides(text: str | None) -> dict[str, Any]:
 
 def _load_checkpoint(checkpoint: Path, classes: RemoteClasses):
     """Load config, model (every weight accounted for) and tokenizer, turning every failure into a clear error."""
-    from training_scripts.tokenizer import load_tokenizers
+    from flexformers.training_scripts.tokenizer import load_tokenizers
 
     try:
         config = classes.config_class.from_pretrained(str(checkpoint))
@@ -913,7 +924,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.PathLi
     auto_map = classes.auto_map()
     generation_config = build_generation_config(model, eval_results, options.generation_overrides)
 
-    from training_scripts.tokenizer import SOURCE_TOKENIZER_SUBDIR, save_tokenizers
+    from flexformers.training_scripts.tokenizer import SOURCE_TOKENIZER_SUBDIR, save_tokenizers
 
     created_parents = [parent for parent in output_dir.parents if not parent.exists()]
     output_dir.parent.mkdir(parents=True, exist_ok=True)

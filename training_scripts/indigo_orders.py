@@ -4,7 +4,7 @@ A *generation order* of a target ``y_1..y_T`` (reading order) is a permutation `
 ``order[s]`` is the reading index of the word generated at step ``s``. The collator turns
 ``(target, order)`` into the insertion sequence ``<s> </s> y_order[0] ... y_order[T-1]``, the word labels
 (ending in ``<eod>``), the two equivalent pointer targets of every insertion (Eq. 11) and the ternary relative
-position matrix (Eq. 3) with :func:`modeling.modeling_indigo.build_insertion_batch`.
+position matrix (Eq. 3) with :func:`flexformers.modeling.modeling_indigo.build_insertion_batch`.
 
 Pre-defined orders (Table 1 of the InDIGO paper):
 
@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from modeling.modeling_indigo import build_insertion_batch
+from flexformers.modeling.modeling_indigo import build_insertion_batch
 
 PREDEFINED_ORDERS = ("l2r", "r2l", "odd", "blt", "syn", "cf", "rf", "rnd")
 ALL_ORDERS = PREDEFINED_ORDERS + ("sao",)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from modeling.modeling_indigo import absolute_positions_from_relative, reading_order_from_positions
+from flexformers.modeling.modeling_indigo import absolute_positions_from_relative, reading_order_from_positions
 
 
 def partial_sequences(insertion_ids: Sequence[int], relative_positions: torch.Tensor) -> list[tuple[list[int], int]]:
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--color", action="store_true", help="ANSI red/underline instead of [brackets]")
     args = parser.parse_args(argv)
 
-    from training_scripts.decode import load_model
+    from flexformers.training_scripts.decode import load_model
 
     model, source_tokenizer, target_tokenizer = load_model(args.model_dir)
     if model.config.model_type != "indigo":

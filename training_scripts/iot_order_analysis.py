@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from transformers import HfArgumentParser
 
-from training_scripts.arguments import DataArguments, describe_dataset
-from training_scripts.data import SPLITS, load_corpus
-from training_scripts.decode import generate_texts, load_model
-from training_scripts.metrics_utils import compute_generation_metrics
+from flexformers.training_scripts.arguments import DataArguments, describe_dataset
+from flexformers.training_scripts.data import SPLITS, load_corpus
+from flexformers.training_scripts.decode import generate_texts, load_model
+from flexformers.training_scripts.metrics_utils import compute_generation_metrics
 
 logger = logging.getLogger("flexformers.iot_orders")
 

@@ -23,7 +23,7 @@ What the train script does with it, in order:
 
 1. Parses its own dataclasses plus ``spec.arguments_class`` (if any) with ``HfArgumentParser``; the method's
    flags appear in ``--help`` only for its model type. Field names must not clash with the shared argument
-   dataclasses of ``training_scripts.train`` (``ModelArguments``, ``DataArguments``, ``Seq2SeqTrainingArguments``).
+   dataclasses of ``flexformers.training_scripts.train`` (``ModelArguments``, ``DataArguments``, ``Seq2SeqTrainingArguments``).
    The parsed instance is passed as ``method_args`` to every hook (``None`` when there is no arguments class).
 2. Builds the tokenizer and the config: ``spec.config_class.from_preset(preset, **overrides)`` where the
    overrides are ``--config_overrides "key=value,..."`` plus the vocabulary size and special token ids taken
@@ -136,13 +136,13 @@ def default_data_collator(tokenizer, model, method_args=None):
 
 def available_model_types() -> list[str]:
     """Model types that have a module in ``training_scripts/methods`` (not imported)."""
-    from training_scripts import methods
+    from flexformers.training_scripts import methods
 
     return sorted(info.name for info in pkgutil.iter_modules(methods.__path__) if not info.name.startswith("_"))
 
 
 def get_method_spec(model_type: str) -> MethodSpec:
-    """Import ``training_scripts.methods.<model_type>`` and return its ``SPEC``.
+    """Import ``flexformers.training_scripts.methods.<model_type>`` and return its ``SPEC``.
 
     Raises ``ValueError`` naming the available model types for an unknown type, and for a module that does not
     define a ``MethodSpec`` called ``SPEC`` (or one whose ``model_type`` disagrees with the file name).
@@ -155,7 +155,7 @@ def get_method_spec(model_type: str) -> MethodSpec:
     known = available_model_types()
     if model_type not in known:
         raise ValueError(f"Unknown --model_type {model_type!r}; available: {', '.join(known) or '(none)'}")
-    module = importlib.import_module(f"training_scripts.methods.{model_type}")
+    module = importlib.import_module(f"flexformers.training_scripts.methods.{model_type}")
     spec = getattr(module, "SPEC", None)
     if not isinstance(spec, MethodSpec):
         raise ValueError(f"training_scripts/methods/{model_type}.py must define SPEC = MethodSpec(...), found {spec!r}")

@@ -62,8 +62,8 @@ def run_from_argv(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 
-    from training_scripts import decode, train
-    from training_scripts.data import build_codegen_corpus
+    from flexformers.training_scripts import decode, train
+    from flexformers.training_scripts.data import build_codegen_corpus
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -7,8 +7,8 @@ Defaults follow the papers' fairseq recipe: Adam (0.9, 0.98), lr 5e-4, inverse-s
 warm-up steps (transformers' ``inverse_sqrt`` equals fairseq's with ``warmup_init_lr=0``), weight decay 1e-4,
 label smoothing 0.1 inside the model, no gradient clipping, length-grouped batches; evaluation every epoch with
 ``predict_with_generate`` (BLEU, chrF, TER and, for code, PoV) and the best checkpoint by BLEU. Every default can
-be overridden on the command line. Multi-process: ``torchrun --nproc_per_node=N -m training_scripts.train ...`` or
-``accelerate launch --config_file training_scripts/accelerate_configs/<cfg>.yaml -m training_scripts.train ...``.
+be overridden on the command line. Multi-process: ``torchrun --nproc_per_node=N -m flexformers.training_scripts.train ...`` or
+``accelerate launch --config_file training_scripts/accelerate_configs/<cfg>.yaml -m flexformers.training_scripts.train ...``.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ import transformers
 from transformers import HfArgumentParser, Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainerCallback, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
-from training_scripts.arguments import DataArguments, ModelArguments, describe_dataset, parse_config_overrides
-from training_scripts.cpu_heap import retain_freed_memory
-from training_scripts.data import load_corpus
-from training_scripts.metrics_utils import compute_generation_metrics
-from training_scripts.model_registry import MethodSpec, get_method_spec
-from training_scripts.tokenizer import (
+from flexformers.training_scripts.arguments import DataArguments, ModelArguments, describe_dataset, parse_config_overrides
+from flexformers.training_scripts.cpu_heap import retain_freed_memory
+from flexformers.training_scripts.data import load_corpus
+from flexformers.training_scripts.metrics_utils import compute_generation_metrics
+from flexformers.training_scripts.model_registry import MethodSpec, get_method_spec
+from flexformers.training_scripts.tokenizer import (
     SOURCE_TOKENIZER_SUBDIR,
     build_tokenizers,
     load_tokenizers,

@@ -24,9 +24,9 @@ import dataclasses
 
 from transformers import Seq2SeqTrainer
 
-from configuration.configuration_depth_adaptive import DepthAdaptiveConfig
-from modeling.modeling_depth_adaptive import DepthAdaptiveForConditionalGeneration
-from training_scripts.model_registry import MethodSpec
+from flexformers.configuration.configuration_depth_adaptive import DepthAdaptiveConfig
+from flexformers.modeling.modeling_depth_adaptive import DepthAdaptiveForConditionalGeneration
+from flexformers.training_scripts.model_registry import MethodSpec
 
 # flag → config field; every flag defaults to None = keep the config's (or the stage-one checkpoint's) value.
 FLAG_FIELDS = {

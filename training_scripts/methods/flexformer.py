@@ -1,12 +1,12 @@
 """The baseline: fairseq's Transformer (model type ``flexformer``) with the default hooks.
 
 Use it as the template for a method module: define ``SPEC = MethodSpec(...)`` (see
-:mod:`training_scripts.model_registry`).
+:mod:`flexformers.training_scripts.model_registry`).
 """
 
-from configuration.configuration_flexformer import FlexformerConfig
-from modeling.modeling_flexformer import FlexformerForConditionalGeneration
-from training_scripts.model_registry import MethodSpec
+from flexformers.configuration.configuration_flexformer import FlexformerConfig
+from flexformers.modeling.modeling_flexformer import FlexformerForConditionalGeneration
+from flexformers.training_scripts.model_registry import MethodSpec
 
 SPEC = MethodSpec(
     model_type="flexformer",

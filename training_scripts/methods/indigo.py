@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 from transformers import Seq2SeqTrainer, TrainerCallback
 
-from configuration.configuration_indigo import InDIGOConfig
-from modeling.modeling_indigo import SAO_ORDER_WEIGHTINGS, InDIGOForConditionalGeneration
-from training_scripts.indigo_orders import ALL_ORDERS, InDIGODataCollator, common_token_ids_by_frequency, load_spacy_pipeline
-from training_scripts.model_registry import MethodSpec
+from flexformers.configuration.configuration_indigo import InDIGOConfig
+from flexformers.modeling.modeling_indigo import SAO_ORDER_WEIGHTINGS, InDIGOForConditionalGeneration
+from flexformers.training_scripts.indigo_orders import ALL_ORDERS, InDIGODataCollator, common_token_ids_by_frequency, load_spacy_pipeline
+from flexformers.training_scripts.model_registry import MethodSpec
 
 
 @dataclass

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 from transformers import Seq2SeqTrainer, TrainerCallback
 
-from configuration.configuration_iot import IOTConfig
-from modeling.modeling_iot import IOTForConditionalGeneration
-from training_scripts.model_registry import MethodSpec
+from flexformers.configuration.configuration_iot import IOTConfig
+from flexformers.modeling.modeling_iot import IOTForConditionalGeneration
+from flexformers.training_scripts.model_registry import MethodSpec
 
 
 def parse_order_codes(flag: str, text: str) -> list[int]:

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from configuration.configuration_mat import MATConfig
-from modeling.modeling_mat import MATForConditionalGeneration
-from training_scripts.model_registry import MethodSpec
+from flexformers.configuration.configuration_mat import MATConfig
+from flexformers.modeling.modeling_mat import MATForConditionalGeneration
+from flexformers.training_scripts.model_registry import MethodSpec
 
 # Config fields a proximal initialisation takes from the training config (everything else is the baseline's).
 PROXIMAL_INIT_FIELDS = (

@@ -1,0 +1,73 @@
+"""What differs between the Transformers releases flexformers supports (5.23 up to the next major), in one place.
+
+Transformers 5.24 renamed the generation cache from `past_key_values` to `cache`: `generate()` passes it to
+`forward` as `cache=`, keeps it in `model_kwargs["cache"]`, reads it back from the output's `cache` field, and the
+standard output classes declare a `cache` field (with `past_key_values` as a deprecated alias that logs a warning).
+5.23 uses `past_key_values` for all of these. Inside, the models call the cache `past_key_values`; the code at their
+public boundary (model `forward`s, output objects, `generate()` hooks) goes through this module, so no other file
+knows which release is running.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from transformers.modeling_outputs import Seq2SeqLMOutput
+
+#: The name the running Transformers gives the cache: `forward` argument, `model_kwargs` key, output field.
+CACHE_NAME: str = "cache" if "cache" in Seq2SeqLMOutput.__dataclass_fields__ else "past_key_values"
+#: The spelling of the new releases, accepted by every model `forward` whatever the release.
+NEW_CACHE_ARGUMENT = "cache"
+
+
+def cache_field(cache: Any) -> dict[str, Any]:
+    """`{name: cache}` for building an output object: `Seq2SeqLMOutput(logits=..., **cache_field(cache))`."""
+    return {CACHE_NAME: cache}
+
+
+def output_cache(outputs: Mapping[str, Any] | None) -> Any:
+    """The cache an output object (model output or `generate()` output) carries, or None."""
+    if outputs is None or not isinstance(outputs, Mapping):
+        return None
+    return outputs.get(CACHE_NAME)
+
+
+def generation_cache(model_kwargs: Mapping[str, Any]) -> Any:
+    """The cache `generate()` keeps in its `model_kwargs` (None before one is built)."""
+    return model_kwargs.get(CACHE_NAME)
+
+
+def set_generation_cache(model_kwargs: dict[str, Any], cache: Any) -> None:
+    """Replace the cache `generate()` will pass to the model's `forward`."""
+    model_kwargs[CACHE_NAME] = cache
+
+
+def accepts_cache_argument(forward: Callable) -> Callable:
+    """Decorator for a public `forward(self, ..., past_key_values=None, ...)`: it also takes the cache as `cache=`
+    (what `generate()` passes from Transformers 5.24 on, and what users of those releases write). Giving both names
+    is an error, as in Transformers. The wrapper's signature lists `cache` as a keyword-only argument, so
+    Transformers' introspection of `forward` (argument validation in `generate()`) sees it."""
+    signature = inspect.signature(forward)
+    parameters = list(signature.parameters.values())
+    if "past_key_values" not in signature.parameters:
+        raise TypeError(f"{forward.__qualname__} has no `past_key_values` argument to alias")
+    if NEW_CACHE_ARGUMENT not in signature.parameters:
+        alias = inspect.Parameter(NEW_CACHE_ARGUMENT, inspect.Parameter.KEYWORD_ONLY, default=None)
+        var_keyword = [p for p in parameters if p.kind is inspect.Parameter.VAR_KEYWORD]
+        parameters = [p for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD] + [alias] + var_keyword
+    past_index = list(signature.parameters).index("past_key_values")
+
+    @functools.wraps(forward)
+    def forward_taking_either_cache_name(self, *args, **kwargs):
+        cache = kwargs.pop(NEW_CACHE_ARGUMENT, None)
+        if cache is not None:
+            if kwargs.get("past_key_values") is not None or len(args) >= past_index:
+                raise ValueError("Pass the cache once: as `cache` or as `past_key_values`, not both.")
+            kwargs["past_key_values"] = cache
+        return forward(self, *args, **kwargs)
+
+    forward_taking_either_cache_name.__signature__ = signature.replace(parameters=parameters)
+    return forward_taking_either_cache_name
