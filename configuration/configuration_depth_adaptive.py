@@ -7,11 +7,9 @@ mechanism (Sec. 3) or a confidence threshold decides where. Exits are numbered l
 
 from __future__ import annotations
 
-import math
-
 from huggingface_hub.dataclasses import strict
 
-from .configuration_flexformer import PRESETS, FlexformerConfig
+from .configuration_flexformer import PRESETS, FlexformerConfig, check_number
 
 EXIT_CLASSIFIER_MODES = ("independent", "shared")
 TRAINING_MODES = ("aligned", "mixed")
@@ -58,10 +56,7 @@ def validate_exit_thresholds(thresholds, num_exits: int, field: str = "exit_thre
             f"{values!r}"
         )
     for index, value in enumerate(values):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"{field}[{index}]={value!r} must be a finite number in [0, 1]")
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"{field}[{index}]={value!r} must be in [0, 1]")
+        check_number("", f"{field}[{index}]", value, minimum=0, maximum=1)
     return [float(value) for value in values]
 
 
@@ -152,18 +147,12 @@ class DepthAdaptiveConfig(FlexformerConfig):
             )
         if self.mixed_num_samples < 1:
             raise ValueError(f"DepthAdaptiveConfig.mixed_num_samples must be >= 1, got {self.mixed_num_samples!r}")
-        if self.gradient_scaling is not None:
-            if not (math.isfinite(self.gradient_scaling) and self.gradient_scaling > 0):
-                raise ValueError(
-                    f"DepthAdaptiveConfig.gradient_scaling (γ) must be a positive number or None, got "
-                    f"{self.gradient_scaling!r}"
-                )
-            if self.training_mode != "aligned":
-                raise ValueError("DepthAdaptiveConfig.gradient_scaling applies to training_mode='aligned' only")
+        check_number("DepthAdaptiveConfig", "gradient_scaling", self.gradient_scaling, minimum=0,
+                     include_minimum=False, optional=True, why="γ of Appendix A")
+        if self.gradient_scaling is not None and self.training_mode != "aligned":
+            raise ValueError("DepthAdaptiveConfig.gradient_scaling applies to training_mode='aligned' only")
         for field in ("oracle_lambda", "oracle_sigma", "exit_loss_alpha"):
-            value = getattr(self, field)
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"DepthAdaptiveConfig.{field} must be a finite number >= 0, got {value!r}")
+            check_number("DepthAdaptiveConfig", field, getattr(self, field), minimum=0)
         if self.exit_loss_alpha > 0:
             if self.halting_mechanism == "none":
                 raise ValueError(
@@ -175,6 +164,11 @@ class DepthAdaptiveConfig(FlexformerConfig):
                     "DepthAdaptiveConfig.exit_loss_alpha > 0 needs training_mode='aligned': the oracles (Eq. 9–17) "
                     "compare the likelihood of every exit on aligned states"
                 )
+        if self.halting_mechanism != "none" and self.decoder_layers < 2:
+            raise ValueError(
+                f"DepthAdaptiveConfig.halting_mechanism={self.halting_mechanism!r} needs decoder_layers >= 2: with "
+                "one block there is no exit to choose"
+            )
         if self.exit_strategy == "halting" and self.halting_mechanism == "none":
             raise ValueError("DepthAdaptiveConfig.exit_strategy='halting' needs a halting_mechanism other than 'none'")
         if self.fixed_exit is not None and (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
@@ -170,8 +171,104 @@ def _fail(field: str, value, requirement: str):
     raise ValueError(f"{field}={value!r} is invalid: {requirement}")
 
 
+def check_number(
+    owner: str,
+    field: str,
+    value,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    include_minimum: bool = True,
+    include_maximum: bool = True,
+    optional: bool = False,
+    why: str = "",
+) -> None:
+    """The one range check of every config's float fields: ``value`` must be a finite real number (not a bool)
+    within the given bounds, else a ``ValueError`` names ``owner.field``, the value and the allowed range.
+
+    NaN compares false with everything, so an ad-hoc ``value < 0`` check lets it through; this checks finiteness
+    first. ``optional`` accepts ``None``; ``why`` is appended to the message; an empty ``owner`` names the field
+    alone."""
+    if value is None and optional:
+        return
+    name = f"{owner}.{field}" if owner else field
+    low = "" if minimum is None else f"{'>=' if include_minimum else '>'} {minimum:g}"
+    high = "" if maximum is None else f"{'<=' if include_maximum else '<'} {maximum:g}"
+    wanted = "a finite number" + (f" {low}" if low else "") + (" and" if low and high else "") + (f" {high}" if high else "")
+    if optional:
+        wanted += " (or None)"
+    wanted += f" ({why})" if why else ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} is invalid: must be {wanted}")
+    if minimum is not None and (value < minimum or (value == minimum and not include_minimum)):
+        raise ValueError(f"{name}={value!r} is invalid: must be {wanted}")
+    if maximum is not None and (value > maximum or (value == maximum and not include_maximum)):
+        raise ValueError(f"{name}={value!r} is invalid: must be {wanted}")
+
+
+def float_field_names(config) -> list[str]:
+    """Names of the config's scalar fields annotated with ``float`` (lists of floats have their own validators)."""
+    import dataclasses
+
+    return [
+        field.name
+        for field in dataclasses.fields(config)
+        if "float" in str(field.type) and "list" not in str(field.type)
+    ]
+
+
+def validate_finite_floats(config) -> None:
+    """Every scalar float field of ``config`` -- including ones a subclass adds later -- must be a finite number
+    (or ``None`` where the field allows it): a NaN or infinite coefficient trains an all-NaN model."""
+    for name in float_field_names(config):
+        value = getattr(config, name)
+        if value is not None:
+            check_number(type(config).__name__, name, value)
+
+
+def _declared_field_types(config_class: type) -> dict:
+    """{field: annotation} of the fields flexformers' own config classes declare (not the inherited
+    ``PreTrainedConfig`` ones), annotations resolved in their defining modules; cached per class."""
+    cached = config_class.__dict__.get("_flexformers_field_types")
+    if cached is not None:
+        return cached
+    types = {}
+    for klass in reversed(config_class.__mro__):
+        if not (isinstance(klass, type) and issubclass(klass, FlexformerConfig)):
+            continue
+        namespace = vars(sys.modules[klass.__module__])
+        for name, annotation in vars(klass).get("__annotations__", {}).items():
+            try:
+                types[name] = eval(annotation, namespace) if isinstance(annotation, str) else annotation
+            except Exception:  # an annotation that cannot be resolved here is simply not type-checked
+                types.pop(name, None)
+    setattr(config_class, "_flexformers_field_types", types)
+    return types
+
+
+def validate_field_types(config: FlexformerConfig) -> None:
+    """Each declared field holds a value of its annotated type (``encoder_layers='two'``, ``dropout='abc'`` or
+    ``encoder_ffn_embed_dim=64.5`` would otherwise fail later with a bare ``TypeError`` deep in the model, or
+    not at all); a ``ValueError`` names the field. Checked with huggingface_hub's strict-dataclass validator."""
+    from huggingface_hub.dataclasses import type_validator
+
+    for name, expected in _declared_field_types(type(config)).items():
+        value = getattr(config, name, None)
+        try:
+            type_validator(name, value, expected)
+        except TypeError:
+            wanted = getattr(expected, "__name__", None) or str(expected).replace("typing.", "")
+            raise ValueError(
+                f"{type(config).__name__}.{name}={value!r} is invalid: must be of type {wanted}, got "
+                f"{type(value).__name__}"
+            ) from None
+
+
 def validate_flexformer_fields(config: FlexformerConfig) -> None:
     """Raise a `ValueError` naming the first field whose value cannot describe a working model."""
+    validate_field_types(config)
+    validate_finite_floats(config)
+    owner = type(config).__name__
     for field in ("vocab_size", "max_source_positions", "max_target_positions"):
         if getattr(config, field) < 1:
             _fail(field, getattr(config, field), "must be a positive integer")
@@ -186,15 +283,11 @@ def validate_flexformer_fields(config: FlexformerConfig) -> None:
                 _fail(field, getattr(config, field), "must be a positive integer")
         if dim % heads != 0:
             _fail(f"{side}_attention_heads", heads, f"must divide {side}_embed_dim={dim}")
-        layerdrop = getattr(config, f"{side}_layerdrop")
-        if not 0.0 <= layerdrop < 1.0:
-            _fail(f"{side}_layerdrop", layerdrop, "must be in [0, 1)")
-    for field in ("dropout", "attention_dropout", "activation_dropout"):
-        value = getattr(config, field)
-        if not 0.0 <= value < 1.0:
-            _fail(field, value, "must be a probability in [0, 1)")
-    if not 0.0 <= config.label_smoothing < 1.0:
-        _fail("label_smoothing", config.label_smoothing, "must be in [0, 1)")
+        check_number(owner, f"{side}_layerdrop", getattr(config, f"{side}_layerdrop"), minimum=0, maximum=1,
+                     include_maximum=False, why="a probability")
+    for field in ("dropout", "attention_dropout", "activation_dropout", "label_smoothing"):
+        check_number(owner, field, getattr(config, field), minimum=0, maximum=1, include_maximum=False,
+                     why="a probability")
     if config.activation_function not in ACTIVATION_FUNCTIONS:
         _fail("activation_function", config.activation_function, f"must be one of {ACTIVATION_FUNCTIONS}")
     if config.share_all_embeddings:
@@ -217,8 +310,6 @@ def validate_flexformer_fields(config: FlexformerConfig) -> None:
         _fail("encoder_learned_pos", True, "has no effect with encoder_use_positions=False; unset one of them")
     if config.decoder_learned_pos and not config.decoder_use_positions:
         _fail("decoder_learned_pos", True, "has no effect with decoder_use_positions=False; unset one of them")
-    if not math.isfinite(config.dropout):
-        _fail("dropout", config.dropout, "must be finite")
 
 
-__all__ = ["FlexformerConfig", "PRESETS", "validate_flexformer_fields"]
+__all__ = ["FlexformerConfig", "PRESETS", "check_number", "validate_finite_floats", "validate_flexformer_fields"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from huggingface_hub.dataclasses import strict
 
-from .configuration_flexformer import FlexformerConfig
+from .configuration_flexformer import FlexformerConfig, check_number
 
 # The paper's Table 11 codes (also Table 1). SA = self-attention, ED = encoder-decoder attention, FF = feed-forward.
 DECODER_ORDER_CODES: dict[int, tuple[str, str, str]] = {
@@ -142,28 +142,21 @@ class IOTConfig(FlexformerConfig):
             value = getattr(self, name)
             if value is not None and value not in candidates:
                 raise ValueError(f"IOTConfig.{name}={value!r} is not one of the candidates {candidates}")
-        if self.predictor_dropout is not None and not 0.0 <= self.predictor_dropout < 1.0:
-            raise ValueError(f"IOTConfig.predictor_dropout must be in [0, 1), got {self.predictor_dropout!r}")
+        check_number("IOTConfig", "predictor_dropout", self.predictor_dropout, minimum=0, maximum=1,
+                     include_maximum=False, optional=True, why="a probability")
         for name in ("encoder_gumbel_temperature", "decoder_gumbel_temperature", "gumbel_temperature_min"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"IOTConfig.{name} must be > 0, got {getattr(self, name)!r}")
-        if self.gumbel_temperature_decay_rate < 0:
-            raise ValueError(
-                f"IOTConfig.gumbel_temperature_decay_rate must be >= 0, got {self.gumbel_temperature_decay_rate!r}"
-            )
+            check_number("IOTConfig", name, getattr(self, name), minimum=0, include_minimum=False)
+        check_number("IOTConfig", "gumbel_temperature_decay_rate", self.gumbel_temperature_decay_rate, minimum=0)
         if self.gumbel_temperature_update_freq < 1:
             raise ValueError(
                 f"IOTConfig.gumbel_temperature_update_freq must be >= 1, got {self.gumbel_temperature_update_freq!r}"
             )
         largest = max(len(self.decoder_orders), len(self.encoder_orders))
-        if not 0.0 <= self.order_prob_clamp < 1.0 / largest:
-            raise ValueError(
-                f"IOTConfig.order_prob_clamp must be in [0, 1/{largest}) for {largest} candidates "
-                f"(the clamped probabilities must stay a valid range), got {self.order_prob_clamp!r}"
-            )
+        check_number("IOTConfig", "order_prob_clamp", self.order_prob_clamp, minimum=0, maximum=1 / largest,
+                     include_maximum=False,
+                     why=f"below 1/{largest} for {largest} candidates, so the clamped probabilities stay a valid range")
         for name in ("diversity_loss_coef", "sharpness_loss_coef"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"IOTConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+            check_number("IOTConfig", name, getattr(self, name), minimum=0)
 
     @property
     def num_encoder_orders(self) -> int:

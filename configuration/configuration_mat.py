@@ -21,7 +21,7 @@ from huggingface_hub.dataclasses import strict
 from transformers.models.bert.configuration_bert import BertConfig
 from transformers.models.roberta.configuration_roberta import RobertaConfig
 
-from .configuration_flexformer import PRESETS, FlexformerConfig
+from .configuration_flexformer import PRESETS, FlexformerConfig, check_number, validate_finite_floats
 
 BRANCH_MERGE_MODES = ("paper", "official")
 
@@ -81,10 +81,10 @@ MAT_PRESETS: dict[str, tuple[str, dict]] = {
 }
 
 
-def validate_rate(name: str, value) -> None:
+def validate_rate(name: str, value, owner: str = "MATConfig") -> None:
     """A drop rate ρ must be a number in [0, 1): Eq. 5 divides by 1 - ρ."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) < 1.0:
-        raise ValueError(f"{name} must be a number in [0, 1) (kept branches/heads are scaled by 1/(1-rho), Eq. 5/9), got {value!r}")
+    check_number(owner, name, value, minimum=0, maximum=1, include_maximum=False,
+                 why="kept branches/heads are scaled by 1/(1-rho), Eq. 5/9")
 
 
 def validate_branch_count(name: str, value) -> None:
@@ -95,12 +95,24 @@ def validate_branch_count(name: str, value) -> None:
 
 def validate_mat_regularisation(config) -> None:
     """The MAT fields shared by the seq2seq and the encoder-only configurations."""
-    validate_rate("drop_branch_rate", config.drop_branch_rate)
+    owner = type(config).__name__
+    validate_rate("drop_branch_rate", config.drop_branch_rate, owner)
     if config.ffn_drop_branch_rate is not None:
-        validate_rate("ffn_drop_branch_rate", config.ffn_drop_branch_rate)
-    validate_rate("drop_head_rate", config.drop_head_rate)
+        validate_rate("ffn_drop_branch_rate", config.ffn_drop_branch_rate, owner)
+    validate_rate("drop_head_rate", config.drop_head_rate, owner)
     if config.branch_merge not in BRANCH_MERGE_MODES:
         raise ValueError(f"branch_merge must be one of {BRANCH_MERGE_MODES}, got {config.branch_merge!r}")
+
+
+def validate_encoder_classifier_floats(config) -> None:
+    """The float fields a RoBERTa / BERT config brings: finite, dropouts in [0, 1), positive epsilon."""
+    validate_finite_floats(config)
+    owner = type(config).__name__
+    for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
+        check_number(owner, name, getattr(config, name), minimum=0, maximum=1, include_maximum=False,
+                     optional=True, why="a probability")
+    check_number(owner, "layer_norm_eps", config.layer_norm_eps, minimum=0, include_minimum=False)
+    check_number(owner, "initializer_range", config.initializer_range, minimum=0)
 
 
 @strict(accept_kwargs=True)
@@ -176,6 +188,7 @@ class MATRobertaConfig(RobertaConfig):
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         validate_branch_count("num_attention_branches", self.num_attention_branches)
+        validate_encoder_classifier_floats(self)
         validate_mat_regularisation(self)
 
     @property
@@ -199,6 +212,7 @@ class MATBertConfig(BertConfig):
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         validate_branch_count("num_attention_branches", self.num_attention_branches)
+        validate_encoder_classifier_floats(self)
         validate_mat_regularisation(self)
 
     @property
