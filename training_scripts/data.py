@@ -29,6 +29,7 @@ import os
 import random
 import re
 import shutil
+import stat
 import struct
 import sysconfig
 import tempfile
@@ -148,20 +149,48 @@ def default_python_source_dirs() -> list[Path]:
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__", ".git", ".tox", ".venv", "venv", "node_modules"}
 
 
-def list_python_files(source_dirs: Iterable[str | os.PathLike]) -> list[Path]:
+def not_a_readable_file(path: Path) -> str | None:
+    """Why ``path`` cannot be read as a source file -- a dangling symlink, a FIFO, socket or device (reading a
+    FIFO blocks forever), no read permission -- or ``None`` for a regular readable file."""
+    try:
+        mode = os.stat(path).st_mode  # follows symlinks: a link to a regular file is fine
+    except FileNotFoundError:
+        return "dangling symlink" if os.path.islink(path) else "vanished file"
+    except OSError as error:
+        return f"unreadable file ({error.strerror})"
+    if not stat.S_ISREG(mode):
+        return "not a regular file"
+    if not os.access(path, os.R_OK):
+        return "unreadable file (permission denied)"
+    return None
+
+
+def list_python_files(source_dirs: Iterable[str | os.PathLike], report: SkipReport | None = None) -> list[Path]:
     """Every ``.py`` file under the given directories (or the files themselves), sorted, skipping installed
-    third-party packages (``site-packages``) and caches."""
+    third-party packages (``site-packages``) and caches. Entries that are not regular readable files (dangling
+    symlinks, FIFOs, ...) are skipped and counted in ``report``; a path given explicitly must be one."""
     files: list[Path] = []
     for source in source_dirs:
         source = Path(source)
-        if source.is_file():
-            files.append(source)
+        if source.is_dir():
+            for dirpath, dirnames, filenames in os.walk(source):
+                dirnames[:] = sorted(d for d in dirnames if d not in _EXCLUDED_DIRS)
+                for name in sorted(filenames):
+                    if not name.endswith(".py"):
+                        continue
+                    path = Path(dirpath) / name
+                    problem = not_a_readable_file(path)
+                    if problem is None:
+                        files.append(path)
+                    elif report is not None:
+                        report.add(problem, str(path))
             continue
-        if not source.is_dir():
+        if not os.path.lexists(source):
             raise ValueError(f"Python source path {source} does not exist")
-        for dirpath, dirnames, filenames in os.walk(source):
-            dirnames[:] = sorted(d for d in dirnames if d not in _EXCLUDED_DIRS)
-            files.extend(Path(dirpath) / name for name in sorted(filenames) if name.endswith(".py"))
+        problem = not_a_readable_file(source)
+        if problem is not None:
+            raise ValueError(f"Python source path {source}: {problem}")
+        files.append(source)
     return sorted(set(files))
 
 
@@ -212,7 +241,9 @@ def build_codegen_corpus(
     if docstring not in ("full", "summary"):
         raise ValueError(f"docstring must be 'full' or 'summary', got {docstring!r}")
     dirs = [Path(d) for d in (source_dirs or default_python_source_dirs())]
-    files = list_python_files(dirs)
+    listing = SkipReport()
+    files = list_python_files(dirs, listing)
+    listing.log("codegen corpus file scan")
     if not files:
         raise ValueError(f"No .py files found under {', '.join(map(str, dirs))}")
     params = dict(dirs=[str(d) for d in dirs], direction=direction, max_source_chars=max_source_chars,
@@ -229,6 +260,11 @@ def build_codegen_corpus(
                 if strict:
                     raise ValueError(f"{path}: cannot parse as Python: {error}") from error
                 skipped.add("unparseable file", f"{path}: {type(error).__name__}")
+                continue
+            except OSError as error:  # removed or made unreadable since the scan
+                if strict:
+                    raise ValueError(f"{path}: cannot read: {error}") from error
+                skipped.add("unreadable file", f"{path}: {error.strerror}")
                 continue
             for doc, code, line in functions:
                 if docstring == "summary":

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import time
 from dataclasses import dataclass, field, fields
@@ -29,7 +30,8 @@ from transformers import HfArgumentParser
 from flexformers.training_scripts.arguments import DataArguments, describe_dataset
 from flexformers.training_scripts.data import SPLITS, escape_line, load_corpus
 from flexformers.training_scripts.metrics_utils import compute_generation_metrics
-from flexformers.training_scripts.model_registry import get_method_spec
+from flexformers.training_scripts.checkpoints import weights_problem
+from flexformers.training_scripts.model_registry import available_model_types, get_method_spec
 from flexformers.training_scripts.tokenizer import load_tokenizers
 
 logger = logging.getLogger("flexformers.decode")
@@ -67,24 +69,64 @@ class DecodeArguments:
     def __post_init__(self):
         if self.split not in SPLITS:
             raise ValueError(f"--split must be one of {', '.join(SPLITS)}, got {self.split!r}")
-        if self.num_beams < 1 or self.batch_size < 1:
-            raise ValueError("--num_beams and --batch_size must be positive")
+        for name in ("num_beams", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            # 0 used to fall back silently to the training length
+            raise ValueError(f"--max_new_tokens must be at least 1, got {self.max_new_tokens} (leave it out for the "
+                             "training --max_target_length)")
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"--length_penalty must be a finite number, got {self.length_penalty}")
+        for index, text in enumerate(self.text or [], start=1):
+            if not text.strip():
+                raise ValueError(f"--text: input {index} is empty; give the texts to decode")
 
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu", bf16: bool = False):
-    """(model, source tokenizer, target tokenizer) from a directory written by ``flexformers-train``."""
+    """(model, source tokenizer, target tokenizer) from a directory written by ``flexformers-train``.
+
+    A damaged directory -- ``config.json`` that is not JSON or names no model type, truncated or zero-filled
+    weights, an unreadable tokenizer -- is a ``ValueError`` naming the file, not a library traceback."""
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{model_dir} has no config.json; pass a directory written by flexformers-train")
-    model_type = json.loads(config_path.read_text()).get("model_type")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"{config_path} cannot be read ({error})") from error
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{config_path} is not valid JSON (line {error.lineno}, column {error.colno}: {error.msg}); "
+            "the checkpoint is damaged"
+        ) from error
+    if not isinstance(config, dict) or not config.get("model_type"):
+        raise ValueError(f"{config_path} names no model_type; it was not written by flexformers-train")
+    model_type = config["model_type"]
+    if model_type not in available_model_types():
+        raise ValueError(
+            f"{config_path}: model_type {model_type!r} is not a flexformers model type "
+            f"({', '.join(available_model_types())})"
+        )
+    problem = weights_problem(model_dir)
+    if problem is not None:
+        raise ValueError(f"{problem}; the checkpoint cannot be loaded")
     spec = get_method_spec(model_type)
-    model = spec.model_class.from_pretrained(str(model_dir))
+    try:
+        model = spec.model_class.from_pretrained(str(model_dir))
+    except (OSError, RuntimeError, ValueError, TypeError) as error:
+        raise ValueError(f"{model_dir}: the model cannot be loaded ({type(error).__name__}: {error})") from error
     model.to(device)
     if bf16:
         model.to(torch.bfloat16)
     model.eval()
-    source_tokenizer, target_tokenizer = load_tokenizers(model_dir)
+    try:
+        source_tokenizer, target_tokenizer = load_tokenizers(model_dir)
+    except (OSError, RuntimeError, ValueError) as error:
+        if isinstance(error, ValueError) and str(model_dir) in str(error):
+            raise
+        raise ValueError(f"{model_dir}: the tokenizer cannot be loaded ({error})") from error
     return model, source_tokenizer, target_tokenizer
 
 
@@ -100,7 +142,16 @@ def generate_texts(
     from tqdm.auto import tqdm
 
     max_source = getattr(model.config, "max_source_positions", 1024)
-    encoded = source_tokenizer(sources, add_special_tokens=True, truncation=True, max_length=max_source)["input_ids"]
+    encoded = source_tokenizer(sources, add_special_tokens=True)["input_ids"]
+    too_long = [index for index, ids in enumerate(encoded) if len(ids) > max_source]
+    for index in too_long:
+        logger.warning("input %d has %d tokens; the model reads at most %d (max_source_positions): decoding its "
+                       "first %d tokens only", index + 1, len(encoded[index]), max_source, max_source)
+    if too_long:
+        truncated = source_tokenizer([sources[i] for i in too_long], add_special_tokens=True, truncation=True,
+                                     max_length=max_source)["input_ids"]
+        for index, ids in zip(too_long, truncated):
+            encoded[index] = ids
     order = sorted(range(len(sources)), key=lambda i: len(encoded[i]), reverse=True)
     hypotheses: list[str | None] = [None] * len(sources)
     generated_tokens = 0
@@ -133,6 +184,28 @@ def generate_texts(
         "generated_tokens": generated_tokens,
     }
     return hypotheses, stats
+
+
+def read_stdin_lines(stream=None) -> tuple[list[str], list[int]]:
+    """(the non-blank lines of standard input, the numbers of the lines skipped as not UTF-8).
+
+    Bytes are decoded line by line so one bad line is reported (by number, on stderr) and the others are still
+    decoded; a text stream (no ``.buffer``) is taken as already decoded."""
+    stream = sys.stdin if stream is None else stream
+    raw = getattr(stream, "buffer", None)
+    lines, skipped = [], []
+    for number, line in enumerate(raw if raw is not None else stream, start=1):
+        if isinstance(line, bytes):
+            try:
+                line = line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                logger.warning("standard input, line %d: not valid UTF-8 (byte %d); skipped", number, error.start)
+                skipped.append(number)
+                continue
+        line = line.rstrip("\r\n")
+        if line.strip():
+            lines.append(line)
+    return lines, skipped
 
 
 def _explicit_data_args(argv: list[str]) -> set[str]:
@@ -169,14 +242,16 @@ def run(decode_args: DecodeArguments, data_args: DataArguments) -> dict:
 
     if decode_args.text or decode_args.stdin:
         sources = list(decode_args.text or [])
+        skipped_lines = []
         if decode_args.stdin:
-            sources += [line.rstrip("\n") for line in sys.stdin if line.strip()]
+            lines, skipped_lines = read_stdin_lines()
+            sources += lines
         if not sources:
             raise ValueError("no input text (empty --text and standard input)")
         hypotheses, stats = generate_texts(model, source_tokenizer, target_tokenizer, sources, progress=False, **generation)
         for source, hypothesis in zip(sources, hypotheses):
             print(f"SOURCE: {source}\nOUTPUT: {hypothesis}\n")
-        return {"hypotheses": hypotheses, "throughput": stats}
+        return {"hypotheses": hypotheses, "throughput": stats, "skipped_lines": skipped_lines}
 
     corpus = load_corpus(data_args)
     split = corpus[decode_args.split]
@@ -249,10 +324,16 @@ def run_from_argv(argv: list[str] | None = None) -> dict:
     return run(*parse_arguments(argv))
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point (returns None so ``sys.exit(main())`` exits with status 0)."""
-    run_from_argv(argv)
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point: 0 on success; bad input (a damaged checkpoint, an invalid option) prints one
+    line naming the problem, without a traceback, and returns 1."""
+    try:
+        run_from_argv(argv)
+    except ValueError as error:
+        print(f"flexformers-decode: error: {error}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -26,13 +26,20 @@ import numpy as np
 import torch
 import transformers
 from transformers import HfArgumentParser, Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainerCallback, set_seed
-from transformers.trainer_utils import get_last_checkpoint
 
-from flexformers.training_scripts.arguments import DataArguments, ModelArguments, describe_dataset, parse_config_overrides
+from flexformers.training_scripts.arguments import (
+    DataArguments,
+    ModelArguments,
+    check_config_override_names,
+    describe_dataset,
+    parse_config_overrides,
+)
+from flexformers.training_scripts.checkpoints import resolve_resume_checkpoint, with_atomic_checkpoints
 from flexformers.training_scripts.cpu_heap import retain_freed_memory
 from flexformers.training_scripts.data import load_corpus
 from flexformers.training_scripts.metrics_utils import compute_generation_metrics
 from flexformers.training_scripts.model_registry import MethodSpec, get_method_spec
+from flexformers.training_scripts.nonfinite import FiniteGradientCallback, FiniteLossMixin, NonFiniteTrainingError
 from flexformers.training_scripts.tokenizer import (
     SOURCE_TOKENIZER_SUBDIR,
     build_tokenizers,
@@ -123,7 +130,50 @@ def parse_arguments(argv: list[str] | None = None):
             "--label_smoothing_factor would make Seq2SeqTrainer discard the model's own loss; "
             "use --label_smoothing (applied inside the model) instead"
         )
+    _resolve_phases(argv, model_args, training_args)
+    if training_args.fp16 and training_args.device.type == "cpu":
+        # Accelerate's CPU autocast is bfloat16 only: --fp16 on the CPU would silently train in float32.
+        raise ValueError(
+            "--fp16 needs a GPU: on the CPU it would be ignored and training would run in float32. "
+            "Drop it, or use --bf16 true (bfloat16 mixed precision works on the CPU)"
+        )
     return spec, model_args, data_args, training_args, method_args
+
+
+PHASE_FLAGS = ("do_train", "do_eval", "do_predict")
+
+
+def _given_flags(argv: list[str]) -> set[str]:
+    """The ``--do_*`` flags named on the command line (or as keys of a single JSON arguments file)."""
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        try:
+            return set(json.loads(Path(argv[0]).read_text())) & set(PHASE_FLAGS)
+        except (OSError, ValueError, TypeError):
+            return set()
+    return {flag for flag in PHASE_FLAGS for item in argv if item == f"--{flag}" or item.startswith(f"--{flag}=")}
+
+
+def _resolve_phases(argv: list[str], model_args: ModelArguments, training_args) -> None:
+    """A training script trains: with no ``--do_*`` flag at all, train and then evaluate on the validation split.
+    Explicit flags are kept as given; a combination that would train nothing and evaluate only an untrained model,
+    or do nothing at all, is refused (it used to build the corpus, save no model and exit 0)."""
+    if not _given_flags(argv):
+        training_args.do_train = True
+        training_args.do_eval = True
+        return
+    if training_args.do_train:
+        return
+    if not (training_args.do_eval or training_args.do_predict):
+        raise ValueError(
+            "nothing to do: --do_train, --do_eval and --do_predict are all off. Leave out every --do_* flag to "
+            "train and then evaluate, or pass --do_train"
+        )
+    if not model_args.model_name_or_path:
+        asked = " and ".join(f"--{flag}" for flag in ("do_eval", "do_predict") if getattr(training_args, flag))
+        raise ValueError(
+            f"{asked} without --do_train would only score an untrained, randomly initialised model: pass "
+            "--do_train, or --model_name_or_path DIR to evaluate a trained model (or use flexformers-decode)"
+        )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -193,6 +243,7 @@ def build_config(spec: MethodSpec, model_args: ModelArguments, source_tokenizer,
     """``spec.config_class.from_preset(preset, **overrides)`` with the tokenizer's vocabulary and special ids; with
     ``--model_name_or_path`` and no ``--preset``, the checkpoint's own config with the same overrides."""
     overrides = parse_config_overrides(model_args.config_overrides)
+    check_config_override_names(spec.config_class, overrides)
     overrides.setdefault("label_smoothing", model_args.label_smoothing)
     overrides["vocab_size"] = len(source_tokenizer)
     if source_tokenizer is not target_tokenizer:
@@ -324,37 +375,35 @@ class TimeBudgetProgressCallback(TrainerCallback):
             self.bar = None
 
 
-class SaveSidecarFilesCallback(TrainerCallback):
+class SidecarFiles:
     """Make every checkpoint directory self-contained for ``flexformers-decode``: the data arguments (task,
-    corpus) and, with separate vocabularies, the source tokenizer."""
+    corpus) and, with separate vocabularies, the source tokenizer. Called with the checkpoint's staging directory
+    (:class:`~flexformers.training_scripts.checkpoints.AtomicCheckpointMixin`), so they are there when it
+    appears."""
 
     def __init__(self, data_args: DataArguments, source_tokenizer=None):
         self.data_args = data_args
         self.source_tokenizer = source_tokenizer
 
-    def on_save(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:
-            return
-        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        if checkpoint.is_dir():
-            self.data_args.save(checkpoint)
-            if self.source_tokenizer is not None:
-                self.source_tokenizer.save_pretrained(str(checkpoint / SOURCE_TOKENIZER_SUBDIR))
+    def __call__(self, checkpoint: str) -> None:
+        self.data_args.save(checkpoint)
+        if self.source_tokenizer is not None:
+            self.source_tokenizer.save_pretrained(str(Path(checkpoint) / SOURCE_TOKENIZER_SUBDIR))
 
 
 def find_resume_checkpoint(training_args) -> str | None:
-    """``--resume_from_checkpoint PATH`` or ``--resume_from_checkpoint latest`` (the newest in output_dir)."""
-    value = training_args.resume_from_checkpoint
-    if value in (None, "", "false", "False"):
-        return None
-    if value in ("latest", "last", "true", "True"):
-        last = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
-        if last is None:
-            raise ValueError(f"--resume_from_checkpoint {value}: no checkpoint-* directory in {training_args.output_dir}")
-        return last
-    if not os.path.isdir(value):
-        raise ValueError(f"--resume_from_checkpoint {value}: no such directory")
-    return value
+    """``--resume_from_checkpoint PATH`` (checked to be complete) or ``--resume_from_checkpoint latest`` (the newest
+    complete checkpoint in output_dir; incomplete ones, e.g. from a crash mid-save, are passed over and logged)."""
+    return resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
+
+
+def training_trainer_class(trainer_class: type) -> type:
+    """The method's trainer class as the script runs it: checkpoints written atomically and training stopped at
+    the first non-finite loss (both mixins leave a class that already has them unchanged)."""
+    trainer_class = with_atomic_checkpoints(trainer_class)
+    if issubclass(trainer_class, FiniteLossMixin):
+        return trainer_class
+    return type(trainer_class.__name__, (FiniteLossMixin, trainer_class), {"__module__": trainer_class.__module__})
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -398,13 +447,12 @@ def run(spec, model_args, data_args, training_args, method_args, extra_callbacks
     eval_dataset = _limit(tokenized["validation"], data_args.max_eval_samples)
     test_dataset = _limit(tokenized["test"], data_args.max_predict_samples)
 
-    callbacks = spec.make_callbacks(method_args) + list(extra_callbacks or [])
-    callbacks.append(SaveSidecarFilesCallback(data_args, source_tokenizer if source_tokenizer is not target_tokenizer else None))
+    callbacks = spec.make_callbacks(method_args) + list(extra_callbacks or []) + [FiniteGradientCallback()]
     if model_args.max_train_minutes:
         callbacks.append(MaxTimeCallback(model_args.max_train_minutes))
     if model_args.max_train_minutes and not training_args.disable_tqdm:
         callbacks.append(TimeBudgetProgressCallback(model_args.max_train_minutes))
-    trainer_class = spec.trainer_class or Seq2SeqTrainer
+    trainer_class = training_trainer_class(spec.trainer_class or Seq2SeqTrainer)
     trainer = trainer_class(
         model=model,
         args=training_args,
@@ -416,6 +464,9 @@ def run(spec, model_args, data_args, training_args, method_args, extra_callbacks
         callbacks=callbacks,
     )
 
+    trainer.checkpoint_file_writers = [
+        SidecarFiles(data_args, source_tokenizer if source_tokenizer is not target_tokenizer else None)
+    ]
     if model_args.max_train_minutes and not training_args.disable_tqdm:
         from transformers.trainer_callback import ProgressCallback
 
@@ -461,10 +512,16 @@ def run_from_argv(argv: list[str] | None = None) -> dict:
     return run(*parse_arguments(argv))
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point (returns None so ``sys.exit(main())`` exits with status 0)."""
-    run_from_argv(argv)
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point: 0 on success; bad input or a diverged run prints one line naming the problem
+    (no traceback) and returns 1."""
+    try:
+        run_from_argv(argv)
+    except (ValueError, NonFiniteTrainingError) as error:
+        print(f"flexformers-train: error: {error}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
