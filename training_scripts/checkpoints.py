@@ -142,10 +142,12 @@ def resolve_resume_checkpoint(value: str | None, output_dir: str) -> str | None:
         chosen, skipped = find_latest_complete_checkpoint(output_dir)
         passed_over = "; ".join(f"{name} ({reason})" for name, reason in skipped)
         if chosen is None:
-            detail = f" (only incomplete ones: {passed_over})" if skipped else ""
-            raise ValueError(
-                f"--resume_from_checkpoint {value}: no complete checkpoint-* directory in {output_dir}{detail}"
-            )
+            if skipped:
+                raise ValueError(
+                    f"--resume_from_checkpoint {value}: no complete checkpoint-* directory in {output_dir} "
+                    f"(only incomplete ones: {passed_over})"
+                )
+            raise ValueError(f"--resume_from_checkpoint {value}: no checkpoint-* directory in {output_dir}")
         message = f"Resuming from {chosen}, the newest complete checkpoint"
         if skipped:
             message += f"; passed over incomplete: {passed_over}"
