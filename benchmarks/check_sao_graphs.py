@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from flexformers.configuration.configuration_indigo import InDIGOConfig  # noqa: E402
-from flexformers.modeling.modeling_indigo import _CAPTURED_SEARCHES, InDIGOForConditionalGeneration  # noqa: E402
+from flexformers.modeling.indigo_search_state import _CAPTURED_SEARCHES  # noqa: E402
+from flexformers.modeling.modeling_indigo import InDIGOForConditionalGeneration  # noqa: E402
 from flexformers.training_scripts.indigo_orders import InDIGODataCollator  # noqa: E402
 
 from bench_indigo import VOCAB, make_batch  # noqa: E402

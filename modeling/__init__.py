@@ -9,8 +9,8 @@ from .modeling_flexformer import (
     FlexformerForConditionalGeneration,
     FlexformerModel,
     FlexformerPreTrainedModel,
-    PerRowSublayerOrder,
 )
+from .sublayer_order import PerRowSublayerOrder
 
 
 def _register(config_class, base_model_class, seq2seq_class):
@@ -23,6 +23,13 @@ def _register(config_class, base_model_class, seq2seq_class):
 _register(FlexformerConfig, FlexformerModel, FlexformerForConditionalGeneration)
 
 # Method registrations, one per model type.
+from flexformers.configuration import (  # noqa: E402
+    DepthAdaptiveConfig,
+    InDIGOConfig,
+    IOTConfig,
+    MATConfig,
+)
+
 from .modeling_depth_adaptive import (  # noqa: E402
     DepthAdaptiveForConditionalGeneration,
     DepthAdaptiveModel,
@@ -36,8 +43,6 @@ from .modeling_mat import (  # noqa: E402
     MATRobertaForSequenceClassification,
     register_mat_classifiers,
 )
-
-from flexformers.configuration import DepthAdaptiveConfig, InDIGOConfig, IOTConfig, MATConfig  # noqa: E402
 
 _register(DepthAdaptiveConfig, DepthAdaptiveModel, DepthAdaptiveForConditionalGeneration)
 _register(InDIGOConfig, InDIGOModel, InDIGOForConditionalGeneration)

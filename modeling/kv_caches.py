@@ -13,6 +13,7 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+import torch.utils.weak
 from transformers.cache_utils import (
     Cache,
     DynamicCache,
@@ -404,3 +405,35 @@ def new_decoder_cache(config, group_size: int = 1) -> EncoderDecoderCache:
     if group_size > 1:
         return SourceGroupedCache(self_attention, DynamicCache(config=config), group_size)
     return EncoderDecoderCache(self_attention, DynamicCache(config=config))
+
+
+# `whole_groups` answers per row-subset tensor, remembered while the tensor lives: a generation reuses the same
+# subsets at every step, and the check needs a host sync.
+_WHOLE_GROUPS_CACHE: "torch.utils.weak.WeakIdKeyDictionary" = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def whole_groups(rows: torch.Tensor, group: int) -> torch.Tensor | None:
+    """The group indices if `rows` (a LongTensor of batch rows) is a sequence of whole, ordered groups of `group`
+    consecutive rows — all beams of some sentences, as IOT's per-order row subsets are in beam search — else None."""
+    # inference tensors keep no version counter; the row subsets the model builds are never changed in place
+    key = (group, None if rows.is_inference() else rows._version)
+    known = _WHOLE_GROUPS_CACHE.get(rows)
+    if known is not None and known[0] == key:
+        return known[1]
+    sentences = None
+    if rows.dim() == 1 and rows.numel() and rows.numel() % group == 0:
+        blocks = rows.view(-1, group)
+        firsts = blocks[:, 0]
+        offsets = torch.arange(group, device=rows.device)
+        if bool(((blocks - firsts[:, None]) == offsets).all() and (firsts % group == 0).all()):
+            sentences = torch.div(firsts, group, rounding_mode="floor")
+    _WHOLE_GROUPS_CACHE[rows] = (key, sentences)
+    return sentences
+
+
+def fold_groups(tensor: torch.Tensor, group: int) -> torch.Tensor:
+    """[B·g, H, q, d] → [B, H, g·q, d]: the g copies of a sentence become extra query positions."""
+    batch, heads, q_len, dim = tensor.shape
+    return tensor.view(batch // group, group, heads, q_len, dim).transpose(1, 2).reshape(
+        batch // group, heads, group * q_len, dim
+    )

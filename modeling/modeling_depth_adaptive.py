@@ -17,18 +17,36 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from flexformers.configuration.configuration_depth_adaptive import (
-    EXIT_STRATEGIES,
-    DepthAdaptiveConfig,
-    validate_exit_thresholds,
-)
 from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 from transformers.utils import ModelOutput
 
+from flexformers.configuration.configuration_depth_adaptive import (
+    EXIT_STRATEGIES,
+    DepthAdaptiveConfig,
+    validate_exit_thresholds,
+)
+
 from .cpu_kernels import VocabularyProjection
-from .kv_caches import StepKVCollector, new_decoder_cache, use_preallocated_layers
+from .depth_adaptive_cache import CopiedStateCache, deferring_copied_states
+from .depth_adaptive_equations import (
+    aligned_decoding_loss,
+    exit_loss,
+    exit_loss_weights,
+    geometric_exit_log_probs,
+    geometric_halting_logits,
+    gradient_scaling_factors,
+    mean_encoder_output,
+    scale_gradient,
+    sequence_correctness_oracle,
+    sequence_halting_log_probs,
+    sequence_likelihood_oracle,
+    token_correctness_oracle,
+    token_likelihood_oracle,
+    token_multinomial_log_probs,
+)
+from .kv_caches import StepKVCollector, new_decoder_cache
 from .losses import label_smoothed_nll_loss
 from .modeling_flexformer import (
     BackboneComponents,
@@ -38,272 +56,6 @@ from .modeling_flexformer import (
     padding_mask,
 )
 from .transformers_compat import accepts_cache_argument, cache_field, output_cache
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Equation-level functions (each cites the paper: Elbayad et al., "Depth-Adaptive Transformer", ICLR 2020).
-# Exits are 1-based like the paper (n ∈ 1..N); per-exit tensors put the exit on the last dimension.
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-def exit_loss_weights(weighting: str, num_exits: int) -> torch.Tensor:
-    """ω_n / Σ_n' ω_n' of Eq. 4 for the weighting schemes of Appendix A (Table 2): ``"uniform"`` (ω_n = 1), ``"n"``,
-    ``"sqrt_n"`` (√n), ``"inv_sqrt_n"`` (1/√n), ``"inv_n"`` (1/n). Returns a float64 tensor ``[N]`` summing to 1."""
-    if num_exits < 1:
-        raise ValueError(f"num_exits must be >= 1, got {num_exits}")
-    n = torch.arange(1, num_exits + 1, dtype=torch.float64)
-    schemes = {
-        "uniform": torch.ones_like(n),
-        "n": n,
-        "sqrt_n": n.sqrt(),
-        "inv_sqrt_n": n.rsqrt(),
-        "inv_n": n.reciprocal(),
-    }
-    if weighting not in schemes:
-        raise ValueError(f"exit_loss_weighting must be one of {tuple(schemes)}, got {weighting!r}")
-    weights = schemes[weighting]
-    return weights / weights.sum()
-
-
-def aligned_decoding_loss(per_exit_losses: torch.Tensor, normalized_weights: torch.Tensor) -> torch.Tensor:
-    """Eq. 4: L_dec = −(1/Σω) Σ_n ω_n LL^n, given ``per_exit_losses[n-1] = −LL^n`` (already summed over tokens, and
-    label-smoothed when the config asks for it) and the normalised weights of :func:`exit_loss_weights`."""
-    if per_exit_losses.shape != normalized_weights.shape:
-        raise ValueError(
-            f"per_exit_losses {tuple(per_exit_losses.shape)} and weights {tuple(normalized_weights.shape)} differ"
-        )
-    return (normalized_weights.to(per_exit_losses.dtype) * per_exit_losses).sum()
-
-
-def scale_gradient(x: torch.Tensor, gamma: float) -> torch.Tensor:
-    """SCALE_GRADIENT of Appendix A, Algorithm 1 (lines 7–8): ``γ·x + (1 − γ)·stop_gradient(x)`` — the identity in
-    the forward pass, a factor γ on the gradient in the backward pass."""
-    if gamma == 1.0:
-        return x
-    return gamma * x + (1.0 - gamma) * x.detach()
-
-
-def gradient_scaling_factors(gamma: float, num_exits: int) -> list[float]:
-    """γ_n = γ·(N − n) of Appendix A (the ratio γ : 1 of block n's own supervision to the N − n blocks above it).
-
-    The formula gives γ_N = 0 for the top block, which has no block above to balance against and would lose its own
-    gradient (and make line 5's 1/γ_N infinite); we use γ_N = 1 (no scaling) there — a deviation the paper's text
-    implies but does not state."""
-    if not (gamma > 0 and math.isfinite(gamma)):
-        raise ValueError(f"gradient_scaling gamma must be a positive number, got {gamma!r}")
-    return [gamma * (num_exits - n) for n in range(1, num_exits)] + [1.0]
-
-
-def mean_encoder_output(
-    encoder_hidden_states: torch.Tensor, encoder_attention_mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """s̄ = (1/|x|) Σ_t s_t of Eq. 8, averaging only the non-padding source positions. ``[b, S, d] → [b, d]``."""
-    if encoder_attention_mask is None:
-        return encoder_hidden_states.mean(dim=1)
-    mask = encoder_attention_mask.to(encoder_hidden_states.dtype).unsqueeze(-1)
-    return (encoder_hidden_states * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
-
-
-def sequence_halting_log_probs(mean_encoder_states: torch.Tensor, halting_projection: nn.Linear) -> torch.Tensor:
-    """Eq. 8: log q(n|x) = log softmax(W_h s̄ + b_h) ∈ R^N (sequence-specific depth), computed in float32."""
-    return torch.log_softmax(halting_projection(mean_encoder_states).float(), dim=-1)
-
-
-def token_multinomial_log_probs(first_block_states: torch.Tensor, halting_projection: nn.Linear) -> torch.Tensor:
-    """Eq. 11: log q_t(n|x, y_<t) = log softmax(W_h h¹_t + b_h) (token-specific multinomial), in float32."""
-    return torch.log_softmax(halting_projection(first_block_states).float(), dim=-1)
-
-
-def geometric_halting_logits(block_state: torch.Tensor, halting_weight: nn.Linear, block_bias: torch.Tensor):
-    """The logit of Eq. 12, z^n_t = w_hᵀ h^n_t + b_n, so that χ^n_t = sigmoid(z^n_t): one vector w_h shared by all
-    blocks (``halting_weight``, no bias) and one bias b_n per block below the last. ``[..., d] → [...]`` float32."""
-    return (halting_weight(block_state).squeeze(-1) + block_bias).float()
-
-
-def geometric_exit_log_probs(halting_logits: torch.Tensor) -> torch.Tensor:
-    """Eq. 13, the geometric-like exit distribution, from the N−1 halting logits z^n (χ^n = sigmoid(z^n), Eq. 12):
-    q(n) = χ^n Π_{n'<n} (1 − χ^{n'}) for n < N and q(N) = Π_{n'<N} (1 − χ^{n'}). Computed in log space
-    (log χ = logsigmoid(z), log(1 − χ) = logsigmoid(−z)). ``[..., N−1] → [..., N]`` float32."""
-    halting_logits = halting_logits.float()
-    log_continue = torch.nn.functional.logsigmoid(-halting_logits)
-    continued_before = torch.cumsum(log_continue, dim=-1) - log_continue  # Σ_{n'<n} log(1 − χ^{n'})
-    log_exit_below_top = torch.nn.functional.logsigmoid(halting_logits) + continued_before
-    log_exit_top = log_continue.sum(dim=-1, keepdim=True)
-    return torch.cat([log_exit_below_top, log_exit_top], dim=-1)
-
-
-def _argmax_with_depth_penalty(scores: torch.Tensor, lam: float) -> torch.Tensor:
-    """δ(argmax_n score_n − λn) as a 1-based exit; ties go to the lowest block (``torch.argmax`` keeps the first)."""
-    depth = torch.arange(1, scores.shape[-1] + 1, device=scores.device, dtype=scores.dtype)
-    return torch.argmax(scores - lam * depth, dim=-1) + 1
-
-
-def sequence_likelihood_oracle(
-    token_log_likelihoods: torch.Tensor, target_mask: torch.Tensor, lam: float = 0.0
-) -> torch.Tensor:
-    """Eq. 9: q*(x, y) = δ(argmax_n LL^n − λn) with LL^n = Σ_t log p(y_t|h^n_{t−1}).
-    ``token_log_likelihoods`` is ``[b, T, N]`` (LL^n_t), ``target_mask`` ``[b, T]``; returns exits ``[b]`` in 1..N."""
-    mask = target_mask.to(token_log_likelihoods.dtype).unsqueeze(-1)
-    sequence_ll = (token_log_likelihoods * mask).sum(dim=1)
-    return _argmax_with_depth_penalty(sequence_ll, lam)
-
-
-def sequence_correctness_oracle(token_correct: torch.Tensor, target_mask: torch.Tensor, lam: float = 0.0) -> torch.Tensor:
-    """Eq. 10: C^n = #{t | y_t = argmax_y p(y|h^n_{t−1})}, q*(x, y) = δ(argmax_n C^n − λn).
-    ``token_correct`` is ``[b, T, N]`` (bool); returns exits ``[b]`` in 1..N."""
-    counts = (token_correct & target_mask.bool().unsqueeze(-1)).sum(dim=1).to(torch.float64)
-    return _argmax_with_depth_penalty(counts, lam)
-
-
-def rbf_kernel(length: int, sigma: float, device=None, dtype=torch.float32) -> torch.Tensor:
-    """κ(t, t') = exp(−|t − t'|² / σ²) of Eq. 15 as a ``[T, T]`` matrix; σ = 0 is the limit σ → 0 (the identity:
-    only the current token counts)."""
-    if sigma < 0:
-        raise ValueError(f"oracle_sigma must be >= 0, got {sigma!r}")
-    positions = torch.arange(length, device=device, dtype=torch.float64)
-    if sigma == 0:
-        return torch.eye(length, device=device, dtype=dtype)
-    distance = positions[:, None] - positions[None, :]
-    return torch.exp(-(distance**2) / (sigma**2)).to(dtype)
-
-
-def smooth_over_time(per_token_scores: torch.Tensor, target_mask: torch.Tensor, sigma: float) -> torch.Tensor:
-    """Σ_{t'=1}^{|y|} κ(t, t') v_{t'} of Eq. 15/16 for ``[b, T, N]`` scores; padding positions t' are left out."""
-    kernel = rbf_kernel(per_token_scores.shape[1], sigma, per_token_scores.device, per_token_scores.dtype)
-    masked = per_token_scores * target_mask.to(per_token_scores.dtype).unsqueeze(-1)
-    return torch.einsum("ts,bsn->btn", kernel, masked)
-
-
-def token_likelihood_oracle(
-    token_log_likelihoods: torch.Tensor, target_mask: torch.Tensor, sigma: float = 0.0, lam: float = 0.0
-) -> torch.Tensor:
-    """Eq. 14/15, LL(σ, λ): q*_t = δ(argmax_n LL̃^n_t − λn) with LL̃^n_t = Σ_t' κ(t, t') LL^n_t' (σ = 0: Eq. 14).
-    ``[b, T, N] → [b, T]`` exits in 1..N (values at padding positions are meaningless)."""
-    smoothed = smooth_over_time(token_log_likelihoods.double(), target_mask, sigma)
-    return _argmax_with_depth_penalty(smoothed, lam)
-
-
-def token_correctness_oracle(
-    token_correct: torch.Tensor, target_mask: torch.Tensor, sigma: float = 0.0, lam: float = 0.0
-) -> torch.Tensor:
-    """Eq. 16/17: C^n_t = [y_t = argmax_y p(y|h^n_{t−1})], C̃^n_t = Σ_t' κ(t, t') C^n_t',
-    q*_t = δ(argmax_n C̃^n_t − λn). ``[b, T, N] → [b, T]`` exits in 1..N."""
-    smoothed = smooth_over_time(token_correct.double(), target_mask, sigma)
-    return _argmax_with_depth_penalty(smoothed, lam)
-
-
-def exit_loss(exit_log_probs: torch.Tensor, oracle_exits: torch.Tensor, mask: torch.Tensor | None = None):
-    """Eq. 6: L_exit = Σ_t H(q*_t, q_t) = −Σ_t log q_t(n*_t) for the Dirac oracles of Eq. 9–17.
-    ``exit_log_probs`` ``[..., N]``, ``oracle_exits`` ``[...]`` (1-based), ``mask`` ``[...]`` (positions to count)."""
-    chosen = exit_log_probs.gather(-1, (oracle_exits.long() - 1).unsqueeze(-1)).squeeze(-1)
-    if mask is not None:
-        chosen = chosen * mask.to(chosen.dtype)
-    return -chosen.sum()
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# FLOPs per output token (Appendix B)
-# ----------------------------------------------------------------------------------------------------------------------
-
-FLOPS_MECHANISMS = ("full", "fixed", "sequence", "token_multinomial", "token_geometric", "confidence")
-
-
-@dataclass(frozen=True)
-class DecoderFlopsShape:
-    """The quantities of Appendix B, Table 4: d_d, d_e, d_f, V and the number of blocks N."""
-
-    decoder_embed_dim: int
-    encoder_embed_dim: int
-    ffn_dim: int
-    vocab_size: int
-    num_blocks: int
-
-    @classmethod
-    def from_config(cls, config) -> "DecoderFlopsShape":
-        return cls(
-            decoder_embed_dim=config.decoder_embed_dim,
-            encoder_embed_dim=config.encoder_embed_dim,
-            ffn_dim=config.decoder_ffn_embed_dim,
-            vocab_size=config.decoder_vocab_size,
-            num_blocks=config.decoder_layers,
-        )
-
-
-def block_flops(shape: DecoderFlopsShape, source_length: int, t: int, first_call: bool) -> int:
-    """FC(x, t) = 12 d_d² + 4 d_f d_d + 4 t d_d + 4|x| d_d + 4 [FirstCall] |x| d_d d_e (Appendix B): a block the
-    token goes through at time-step t ≥ 1; the source keys/values are projected on the block's first call."""
-    d, e = shape.decoder_embed_dim, shape.encoder_embed_dim
-    flops = 12 * d * d + 4 * shape.ffn_dim * d + 4 * t * d + 4 * source_length * d
-    if first_call:
-        flops += 4 * source_length * d * e
-    return flops
-
-
-def skipped_block_flops(shape: DecoderFlopsShape) -> int:
-    """FS = 4 d_d² (Appendix B): a skipped block still projects the copied state to its self-attention keys/values."""
-    return 4 * shape.decoder_embed_dim**2
-
-
-def exit_prediction_flops(shape: DecoderFlopsShape, mechanism: str, t: int, exit_block: int) -> int:
-    """FP(t, q(t)) of Appendix B: ``sequence`` 2[t = 1] N d_d, ``token_multinomial`` 2 N d_d, ``token_geometric``
-    2 d_d q(t), ``confidence`` 2 q(t) V d_d; ``full``/``fixed`` exits need no prediction (0)."""
-    d, n_blocks = shape.decoder_embed_dim, shape.num_blocks
-    if mechanism in ("full", "fixed"):
-        return 0
-    if mechanism == "sequence":
-        return 2 * n_blocks * d if t == 1 else 0
-    if mechanism == "token_multinomial":
-        return 2 * n_blocks * d
-    if mechanism == "token_geometric":
-        return 2 * d * exit_block
-    if mechanism == "confidence":
-        return 2 * exit_block * shape.vocab_size * d
-    raise ValueError(f"FLOPs mechanism must be one of {FLOPS_MECHANISMS}, got {mechanism!r}")
-
-
-def sequence_flops(shape: DecoderFlopsShape, exits: Sequence[int], source_length: int, mechanism: str) -> int:
-    """Σ_t [q(t) FC(x, t) + (N − q(t)) FS + FP(t, q(t)) + 2 V d_d] for one hypothesis with per-token exits q(t)
-    (Appendix B, "Adaptive depth"; with q(t) = N and FP = 0 it is the "Baseline" formula). Confidence thresholding
-    already pays for its output projections in FP, so the final 2 V d_d is not added there."""
-    n_blocks = shape.num_blocks
-    called = [False] * (n_blocks + 1)
-    total = 0
-    for t, exit_block in enumerate(exits, start=1):
-        exit_block = int(exit_block)
-        if not 1 <= exit_block <= n_blocks:
-            raise ValueError(f"exit {exit_block} at time-step {t} is outside 1..{n_blocks}")
-        for block in range(1, exit_block + 1):
-            total += block_flops(shape, source_length, t, first_call=not called[block])
-            called[block] = True
-        total += (n_blocks - exit_block) * skipped_block_flops(shape)
-        total += exit_prediction_flops(shape, mechanism, t, exit_block)
-        if mechanism != "confidence":
-            total += 2 * shape.vocab_size * shape.decoder_embed_dim
-    return total
-
-
-def average_flops_per_token(
-    shape: DecoderFlopsShape, exits_per_sentence: Sequence[Sequence[int]], source_lengths: Sequence[int], mechanism: str
-) -> float:
-    """(1 / Σ_i |y^(i)|) Σ_i Σ_t (…) of Appendix B over a set of hypotheses with their per-token exits."""
-    if len(exits_per_sentence) != len(source_lengths):
-        raise ValueError(f"{len(exits_per_sentence)} exit sequences but {len(source_lengths)} source lengths")
-    tokens = sum(len(exits) for exits in exits_per_sentence)
-    if tokens == 0:
-        raise ValueError("average_flops_per_token needs at least one generated token")
-    total = sum(
-        sequence_flops(shape, exits, source_length, mechanism)
-        for exits, source_length in zip(exits_per_sentence, source_lengths)
-    )
-    return total / tokens
-
-
-def average_exit(exits_per_sentence: Sequence[Sequence[int]]) -> float:
-    """AE, the average exit per output token (Sec. 4.3)."""
-    tokens = [int(e) for exits in exits_per_sentence for e in exits]
-    if not tokens:
-        raise ValueError("average_exit needs at least one generated token")
-    return sum(tokens) / len(tokens)
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Halting mechanisms (Sec. 3)
@@ -437,116 +189,6 @@ class ExitDecider:
             planned = self._rows(self.planned_exits, rows)
             return (planned == block).unsqueeze(-1).expand(states.shape[:2]), None
         raise ValueError(f"exit strategy 'halting' needs a halting mechanism, got {self.halting_mechanism!r}")
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Early-exit generation cache: copied states projected when a later token needs them
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-class CopiedStateCache(DynamicCache):
-    """The decoder self-attention cache of early-exit ``generate()``: preallocated layers, plus the *copied states*
-    of the decoding steps at which every row exited below some block.
-
-    Algorithm 2 (Appendix B) gives the blocks above an exit their own key/value projections of the copied state.
-    When no row of a step reaches block n, nothing reads block n's keys/values for that position until a later
-    token runs block n — so early-exit generation records the step's exit states here instead, and the decoder
-    projects every missing position of a block at once (one matmul) just before the block next runs
-    (:meth:`DepthAdaptiveDecoder.catch_up_copied_states`). With a fixed exit or a whole step that exits low, the
-    skipped blocks then cost nothing at all. The keys/values are exactly those of the eager projection; the cache
-    is completed before ``generate()`` hands it back (``defer_copied_states`` is only on inside ``generate``).
-
-    Beam reordering, cropping and batch expansion/selection move the recorded states with the layers.
-    """
-
-    def __init__(self, config=None, defer_copied_states: bool = False, **kwargs):
-        super().__init__(config=config, **kwargs)
-        use_preallocated_layers(self)
-        self.defer_copied_states = defer_copied_states
-        self._copied_states: torch.Tensor | None = None  # [batch, capacity, d]; position p at [:, p]
-        self._spare_copied_states: torch.Tensor | None = None
-        self._recorded_until = 0  # positions < this may hold recorded states
-
-    def _layer_length(self, layer_idx: int) -> int:
-        return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
-
-    def record_copied_states(self, position: int, states: torch.Tensor) -> None:
-        """Exit states ``[batch, 1, d]`` of decoding step ``position`` (each row's last computed state)."""
-        buffer = self._copied_states
-        if buffer is not None and buffer.shape[0] != states.shape[0]:
-            start, stop = self._pending_window()
-            if start < stop:
-                raise RuntimeError(
-                    f"copied states are pending for {buffer.shape[0]} rows but this step has {states.shape[0]} rows"
-                )
-            buffer = None
-        if buffer is None or position >= buffer.shape[1]:
-            capacity = max(position + 1, 2 * (buffer.shape[1] if buffer is not None else 0), 32)
-            grown = states.new_empty(states.shape[0], capacity, states.shape[-1])
-            if buffer is not None and self._recorded_until:
-                grown[:, : self._recorded_until] = buffer[:, : self._recorded_until]
-            buffer = self._copied_states = grown
-        buffer[:, position] = states[:, 0]
-        self._recorded_until = max(self._recorded_until, position + 1)
-
-    def missing_copied_states(self, layer_idx: int, position: int) -> torch.Tensor | None:
-        """``[batch, p, d]``: the recorded states of the positions before ``position`` whose keys/values layer
-        ``layer_idx`` still lacks (every row skipped the block there), or ``None``."""
-        start = self._layer_length(layer_idx)
-        if start >= position:
-            return None
-        if self._copied_states is None or position > self._recorded_until:
-            raise RuntimeError(
-                f"decoder layer {layer_idx} holds {start} positions but no copied states were recorded up to {position}"
-            )
-        return self._copied_states[:, start:position]
-
-    def _pending_window(self) -> tuple[int, int]:
-        start = min((self._layer_length(idx) for idx in range(len(self.layers))), default=0)
-        return start, self._recorded_until
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        start, stop = self._pending_window()
-        if self._copied_states is not None and start < stop:
-            # into a spare buffer that is then swapped in, as PreallocatedKVLayer does (no fresh tensor per step)
-            buffer = self._copied_states
-            if self._spare_copied_states is None or self._spare_copied_states.shape != buffer.shape:
-                self._spare_copied_states = torch.empty_like(buffer)
-            spare = self._spare_copied_states
-            torch.index_select(buffer[:, start:stop], 0, beam_idx.to(buffer.device), out=spare[:, start:stop])
-            self._copied_states, self._spare_copied_states = spare, buffer
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError(f"`crop` takes a negative number of tokens to remove, got {tokens_to_remove}")
-        new_length = max(self.get_seq_length() + tokens_to_remove, 0)
-        for layer_idx in range(len(self.layers)):
-            excess = self._layer_length(layer_idx) - new_length
-            if excess > 0:
-                self.layers[layer_idx].crop(-excess)
-        self._recorded_until = min(self._recorded_until, new_length)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        if self._copied_states is not None:
-            self._copied_states = self._copied_states.repeat_interleave(repeats, dim=0)
-            self._spare_copied_states = None
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        if self._copied_states is not None:
-            self._copied_states = self._copied_states[indices]
-            self._spare_copied_states = None
-
-    def reset(self) -> None:
-        super().reset()
-        self._copied_states = self._spare_copied_states = None
-        self._recorded_until = 0
-
-
-def deferring_copied_states(self_attention_cache) -> bool:
-    return isinstance(self_attention_cache, CopiedStateCache) and self_attention_cache.defer_copied_states
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1325,14 +967,9 @@ __all__ = [
     "DepthAdaptiveGenerateOutput",
     "DepthAdaptiveModel",
     "DepthAdaptiveSeq2SeqLMOutput",
-    "DecoderFlopsShape",
     "ExitDecider",
     "ExitSettings",
     "GeometricHalting",
     "SequenceHalting",
     "TokenMultinomialHalting",
-    "average_exit",
-    "average_flops_per_token",
-    "exit_loss",
-    "exit_loss_weights",
 ]

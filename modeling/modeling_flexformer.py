@@ -13,19 +13,15 @@ Every method of the zoo extends this file at a named seam (see docs/ARCHITECTURE
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 import torch.nn.functional as F
-import torch.utils.weak
-from flexformers.configuration.configuration_flexformer import FlexformerConfig
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
-from transformers.generation.logits_process import LogitsProcessorList, SuppressTokensLogitsProcessor
-from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import Cache, EncoderDecoderCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutput,
@@ -36,148 +32,44 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
+from flexformers.configuration.configuration_flexformer import FlexformerConfig
+
+from .branch_merge import BranchMergeLinear, init_branched_linear
 from .cpu_kernels import (
     PrepackedLinear,
     VocabularyProjection,
     dropout,
     fused_linears,
-    linear,
 )
+from .generation_hooks import FlexformerGenerationMixin
 from .kv_caches import (
-    SourceGroupedCache,
     StepKVCollector,
+    fold_groups,
     index_rows,
     new_decoder_cache,
     self_attention_cache_of,
     static_cache_capacity,
-    use_preallocated_layers,
+    whole_groups,
 )
 from .losses import label_smoothed_nll_loss
+from .positional_embeddings import (
+    LearnedPositionalEmbedding,
+    build_positional_embedding,
+)
+from .sublayer_order import (
+    DECODER_SUBLAYERS,
+    ENCODER_SUBLAYERS,
+    PerRowSublayerOrder,
+    check_order,
+)
 from .transformers_compat import (
     CACHE_NAME,
     accepts_cache_argument,
     cache_field,
-    generation_cache,
     output_cache,
-    set_generation_cache,
 )
 
 logger = logging.get_logger(__name__)
-
-ENCODER_SUBLAYERS = ("self_attn", "ffn")
-DECODER_SUBLAYERS = ("self_attn", "encoder_attn", "ffn")
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Positions and embeddings
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def make_positions(input_ids: torch.Tensor, padding_idx: int) -> torch.Tensor:
-    """fairseq's positions: non-padding tokens are numbered from `padding_idx + 1`; padding keeps `padding_idx`.
-
-    Counting only non-padding tokens makes a left- or right-padded sentence get the same positions as alone.
-    """
-    mask = input_ids.ne(padding_idx).int()
-    return (torch.cumsum(mask, dim=1).type_as(mask) * mask).long() + padding_idx
-
-
-def sinusoidal_table(num_embeddings: int, embedding_dim: int, padding_idx: int | None) -> torch.Tensor:
-    """fairseq's sinusoidal table (sin half, then cos half; a zero row at `padding_idx`), from
-    "Attention Is All You Need", Sec. 3.5, as laid out by fairseq's `SinusoidalPositionalEmbedding`."""
-    half_dim = embedding_dim // 2
-    scale = math.log(10000) / (half_dim - 1)
-    frequencies = torch.exp(torch.arange(half_dim, dtype=torch.float) * -scale)
-    angles = torch.arange(num_embeddings, dtype=torch.float).unsqueeze(1) * frequencies.unsqueeze(0)
-    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
-    if embedding_dim % 2 == 1:
-        table = torch.cat([table, torch.zeros(num_embeddings, 1)], dim=1)
-    if padding_idx is not None:
-        table[padding_idx, :] = 0
-    return table
-
-
-def _positions_for(input_ids: torch.Tensor, padding_idx: int, past_length: int | torch.Tensor) -> torch.Tensor:
-    """Positions of `input_ids` after `past_length` cached ones: `make_positions` for a fresh sequence; in
-    incremental decoding the new tokens continue the cached prefix (fairseq's incremental_state path). A static
-    cache's length is a device tensor: both are computed and selected on the device (no host branch to compile)."""
-    if isinstance(past_length, int) and past_length == 0:
-        return make_positions(input_ids, padding_idx)
-    steps = torch.arange(input_ids.shape[1], device=input_ids.device) + past_length + padding_idx + 1
-    steps = steps.unsqueeze(0).expand(input_ids.shape[0], -1)
-    if isinstance(past_length, int):
-        return steps
-    return torch.where(past_length > 0, steps, make_positions(input_ids, padding_idx))
-
-
-def _position_bound(past_length: int | torch.Tensor, new_tokens: int, max_length: int | None) -> int:
-    """The number of positions a call reaches: past + new, or `max_length` (a static cache's capacity) when the
-    past length is a device tensor that the host should not wait for."""
-    if isinstance(past_length, int):
-        return past_length + new_tokens
-    if max_length is None:
-        raise ValueError("a tensor past_length (static cache) needs max_length, the cache's capacity")
-    return max_length
-
-
-class SinusoidalPositionalEmbedding(nn.Module):
-    """Fixed sinusoidal positions (not parameters), grown on demand like fairseq's."""
-
-    def __init__(self, embedding_dim: int, padding_idx: int, init_size: int = 1024):
-        super().__init__()
-        self.embedding_dim = embedding_dim
-        self.padding_idx = padding_idx
-        self.init_size = init_size
-        # A plain attribute, not a buffer: it is derived data, so it is neither saved nor loaded, and it is rebuilt
-        # lazily on the right device (models are materialised from the meta device by `from_pretrained`).
-        self._table: torch.Tensor | None = None
-
-    def _table_for(self, max_position: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        table = self._table
-        if table is None or table.shape[0] <= max_position or table.device != device or table.dtype != dtype:
-            size = max(self.init_size, max_position + 1, 0 if table is None else table.shape[0])
-            table = sinusoidal_table(size, self.embedding_dim, self.padding_idx).to(device=device, dtype=dtype)
-            self._table = table
-        return table
-
-    def forward(
-        self, input_ids: torch.Tensor, past_length: int | torch.Tensor = 0, dtype: torch.dtype = torch.float32,
-        max_length: int | None = None,
-    ):
-        positions = _positions_for(input_ids, self.padding_idx, past_length)
-        max_position = self.padding_idx + 1 + _position_bound(past_length, input_ids.shape[1], max_length)
-        table = self._table_for(max_position, input_ids.device, dtype)
-        return table[positions]
-
-
-class LearnedPositionalEmbedding(nn.Embedding):
-    """fairseq's learned positions: `max_positions + padding_idx + 1` rows, the padding row kept at zero."""
-
-    def __init__(self, max_positions: int, embedding_dim: int, padding_idx: int):
-        super().__init__(max_positions + padding_idx + 1, embedding_dim, padding_idx)
-        self.max_positions = max_positions
-
-    def forward(
-        self, input_ids: torch.Tensor, past_length: int | torch.Tensor = 0, dtype: torch.dtype | None = None,
-        max_length: int | None = None,
-    ):
-        positions = _positions_for(input_ids, self.padding_idx, past_length)
-        length = _position_bound(past_length, input_ids.shape[1], max_length)
-        if length > self.max_positions:
-            raise ValueError(
-                f"sequence of length {length} exceeds the {self.max_positions} learned positions "
-                "(max_source_positions / max_target_positions)"
-            )
-        return super().forward(positions)
-
-
-def build_positional_embedding(config: FlexformerConfig, side: str, embed_dim: int) -> nn.Module | None:
-    if not getattr(config, f"{side}_use_positions"):
-        return None
-    max_positions = config.max_source_positions if side == "encoder" else config.max_target_positions
-    if getattr(config, f"{side}_learned_pos"):
-        return LearnedPositionalEmbedding(max_positions, embed_dim, config.pad_token_id)
-    return SinusoidalPositionalEmbedding(embed_dim, config.pad_token_id, init_size=max_positions + config.pad_token_id + 1)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -214,75 +106,6 @@ def eager_attention_forward(
     weights = F.dropout(weights, p=dropout, training=module.training)
     output = torch.matmul(weights, value).transpose(1, 2).contiguous()
     return output, weights
-
-
-class BranchMergeLinear(nn.Module):
-    """Output projection of `num_branches` parallel branches merged by a weighted sum, in one GEMM.
-
-    `weight` is `[out, B * in]` (branch b owns columns `b*in:(b+1)*in`), `bias` is `[B, out]` (one bias per
-    branch). `forward(x[..., B, in], branch_weights)` returns `Σ_b w_b (x_b W_bᵀ + bias_b)`; `branch_weights=None`
-    means the plain average `w_b = 1/B`, which for B = 1 is exactly `nn.Linear`.
-    """
-
-    def __init__(self, num_branches: int, in_features: int, out_features: int):
-        super().__init__()
-        self.num_branches = num_branches
-        self.in_features = in_features
-        self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, num_branches * in_features))
-        self.bias = nn.Parameter(torch.empty(num_branches, out_features))
-
-    def branch_weight(self, branch: int) -> torch.Tensor:
-        """The `[out, in]` weight of one branch (a view, for proximal initialisation)."""
-        return self.weight[:, branch * self.in_features : (branch + 1) * self.in_features]
-
-    def forward(self, hidden_states: torch.Tensor, branch_weights: torch.Tensor | None = None) -> torch.Tensor:
-        if branch_weights is None and self.num_branches == 1:
-            return linear(self, hidden_states.flatten(-2), self.weight, self.bias[0])
-        leading = hidden_states.shape[:-2]
-        if branch_weights is None:
-            branch_weights = hidden_states.new_full((self.num_branches,), 1.0 / self.num_branches)
-        if branch_weights.dim() == 1:  # one weight per branch, shared by the batch
-            scaled = hidden_states * branch_weights.view(self.num_branches, 1)
-            bias = branch_weights @ self.bias
-        else:  # [batch, B]: one weight per row and branch
-            expand = (branch_weights.shape[0],) + (1,) * (hidden_states.dim() - 3) + (self.num_branches, 1)
-            scaled = hidden_states * branch_weights.view(expand)
-            bias = (branch_weights @ self.bias).view(branch_weights.shape[0], *([1] * (hidden_states.dim() - 3)), -1)
-        return linear(self, scaled.reshape(*leading, self.num_branches * self.in_features), self.weight, None) + bias
-
-
-# `_whole_groups` answers per row-subset tensor, remembered while the tensor lives: a generation reuses the same
-# subsets at every step, and the check needs a host sync.
-_WHOLE_GROUPS: "torch.utils.weak.WeakIdKeyDictionary" = torch.utils.weak.WeakIdKeyDictionary()
-
-
-def _whole_groups(rows: torch.Tensor, group: int) -> torch.Tensor | None:
-    """The group indices if `rows` (a LongTensor of batch rows) is a sequence of whole, ordered groups of `group`
-    consecutive rows — all beams of some sentences, as IOT's per-order row subsets are in beam search — else None."""
-    # inference tensors keep no version counter; the row subsets the model builds are never changed in place
-    key = (group, None if rows.is_inference() else rows._version)
-    known = _WHOLE_GROUPS.get(rows)
-    if known is not None and known[0] == key:
-        return known[1]
-    sentences = None
-    if rows.dim() == 1 and rows.numel() and rows.numel() % group == 0:
-        blocks = rows.view(-1, group)
-        firsts = blocks[:, 0]
-        offsets = torch.arange(group, device=rows.device)
-        if bool(((blocks - firsts[:, None]) == offsets).all() and (firsts % group == 0).all()):
-            sentences = torch.div(firsts, group, rounding_mode="floor")
-    _WHOLE_GROUPS[rows] = (key, sentences)
-    return sentences
-
-
-
-def _fold_groups(tensor: torch.Tensor, group: int) -> torch.Tensor:
-    """[B·g, H, q, d] → [B, H, g·q, d]: the g copies of a sentence become extra query positions."""
-    batch, heads, q_len, dim = tensor.shape
-    return tensor.view(batch // group, group, heads, q_len, dim).transpose(1, 2).reshape(
-        batch // group, heads, group * q_len, dim
-    )
 
 
 class FlexformerAttention(nn.Module):
@@ -369,7 +192,7 @@ class FlexformerAttention(nn.Module):
                     return keys[sentences], values[sentences]
                 rows = torch.arange(rows.start, rows.stop, device=keys.device)
             if group > 1 and rows is not None:
-                sentences = _whole_groups(rows, group)
+                sentences = whole_groups(rows, group)
                 if sentences is not None:  # all beams of some sentences: one copy per sentence, queries folded
                     return keys.index_select(0, sentences), values.index_select(0, sentences)
                 sentence_rows = torch.div(rows, group, rounding_mode="floor")
@@ -414,7 +237,7 @@ class FlexformerAttention(nn.Module):
         group = 1
         if self.is_cross_attention and key.shape[0] != batch:  # keys per source sentence: fold its beams' queries
             group = batch // key.shape[0]
-            query = _fold_groups(query, group)
+            query = fold_groups(query, group)
             if attention_mask is not None:
                 attention_mask = attention_mask[::group]
         position_bias = self.relative_position_bias(query, rows=rows, **kwargs)
@@ -488,105 +311,6 @@ class FlexformerFeedForward(nn.Module):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-# Sub-layers that run once per contiguous row block rather than once on gathered rows: only self-attention,
-# whose growing cache a gather would copy. Cross-attention's fixed-size source keys are cheaper to gather than a
-# second call (IOT's 4 mixed orders, 32 rows: greedy 1.33× → 1.20× the baseline).
-SPLIT_ATTENTION_NAMES = ("self_attn",)
-
-
-@dataclass
-class PerRowSublayerOrder:
-    """A sub-layer order per batch row: row r runs `orders[order_index[r]]`.
-
-    Build it once per batch (e.g. once per `generate()` call) and pass the same object to every layer and step:
-    the grouping of rows by stage is computed once and cached on it.
-    """
-
-    order_index: torch.LongTensor
-    orders: Sequence[tuple[str, ...]]
-
-    @cached_property
-    def stage_plan(self) -> list[list[tuple[str, torch.Tensor | slice | None]]]:
-        """The steps that run every row's sub-layers in its own order: each step is one sub-layer, applied to the
-        rows whose *next* sub-layer it is, as a list of (sub-layer, rows) entries; `rows=None` = every row.
-
-        The sequence of sub-layers is a shortest common supersequence of the orders present in the batch
-        (`shortest_common_schedule`): the default 4 decoder orders of IOT need 5 sub-layer calls per block this
-        way, against 8 when rows are grouped stage by stage. Rows that form one contiguous block are a `slice`
-        (views instead of copies of the hidden states, the cache and the encoder states; sort the batch by order
-        to get them); a self-attention sub-layer whose rows form a few (≤ number of orders) contiguous blocks runs
-        once per block, so its cache rows are never copied (`SPLIT_ATTENTION_NAMES`).
-        """
-        num_stages = len(self.orders[0])
-        if any(len(order) != num_stages for order in self.orders):
-            raise ValueError(f"orders must all have the same length, got {list(self.orders)}")
-        present = sorted(set(self.order_index.tolist()))
-        schedule = shortest_common_schedule([tuple(self.orders[i]) for i in present])
-        order_rows = {i: torch.nonzero(self.order_index == i).squeeze(1) for i in present}
-        progress = {i: 0 for i in present}
-        plan = []
-        for name in schedule:
-            movers = [i for i in present if progress[i] < num_stages and self.orders[i][progress[i]] == name]
-            for i in movers:
-                progress[i] += 1
-            if len(movers) == len(present):
-                plan.append([(name, None)])
-                continue
-            rows = torch.sort(torch.cat([order_rows[i] for i in movers])).values
-            blocks = _contiguous_blocks(rows)
-            if len(blocks) == 1 or (name in SPLIT_ATTENTION_NAMES and len(blocks) <= len(self.orders)):
-                plan.append([(name, block) for block in blocks])
-            else:
-                plan.append([(name, rows)])
-        return plan
-
-    def select(self, rows: torch.Tensor) -> "PerRowSublayerOrder":
-        return PerRowSublayerOrder(self.order_index.index_select(0, rows), self.orders)
-
-
-def shortest_common_schedule(orders: Sequence[tuple[str, ...]]) -> tuple[str, ...]:
-    """A shortest sequence of sub-layer names that contains every order as a subsequence (breadth-first over the
-    rows' progress, so the first complete sequence found is a shortest one; ≤ 7 steps for any set of 3-sub-layer
-    orders). Running its steps in turn, each on the rows whose next sub-layer it is, applies every order."""
-    orders = [tuple(order) for order in orders]
-    names = sorted({name for order in orders for name in order})
-    start = tuple(0 for _ in orders)
-    goal = tuple(len(order) for order in orders)
-    frontier, seen = [(start, ())], {start}
-    while frontier:
-        next_frontier = []
-        for progress, schedule in frontier:
-            if progress == goal:
-                return schedule
-            for name in names:
-                advanced = tuple(
-                    step + 1 if step < len(order) and order[step] == name else step
-                    for order, step in zip(orders, progress)
-                )
-                if advanced != progress and advanced not in seen:
-                    seen.add(advanced)
-                    next_frontier.append((advanced, schedule + (name,)))
-        frontier = next_frontier
-    raise ValueError(f"no schedule for orders {orders}")
-
-
-def _contiguous_blocks(rows: torch.Tensor) -> list[slice]:
-    """Sorted row indices → the maximal runs of consecutive rows, as slices (one host sync, at planning time)."""
-    values = rows.tolist()
-    blocks, start = [], values[0]
-    for previous, current in zip(values, values[1:]):
-        if current != previous + 1:
-            blocks.append(slice(start, previous + 1))
-            start = current
-    blocks.append(slice(start, values[-1] + 1))
-    return blocks
-
-
-def _check_order(order: Sequence[str], allowed: tuple[str, ...]) -> None:
-    if sorted(order) != sorted(allowed):
-        raise ValueError(f"sublayer_order {tuple(order)} must be a permutation of {allowed}")
-
-
 class _ReorderableLayer(GradientCheckpointingLayer):
     """Shared machinery of encoder and decoder blocks: each sub-layer is a method with its own residual,
     dropout and LayerNorm, and `forward` runs them in the order it is given."""
@@ -612,7 +336,7 @@ class _ReorderableLayer(GradientCheckpointingLayer):
         weights = {}
         if not isinstance(sublayer_order, PerRowSublayerOrder):
             order = self.default_order if sublayer_order is None else tuple(sublayer_order)
-            _check_order(order, self.default_order)
+            check_order(order, self.default_order)
             for name in order:
                 hidden_states, weights[name] = self._sublayer(name)(
                     hidden_states, past_key_values=past_key_values, **kwargs
@@ -621,7 +345,7 @@ class _ReorderableLayer(GradientCheckpointingLayer):
         # Different orders per row: stage by stage, each sub-layer once for the rows that need it; the new
         # self-attention keys/values are collected and written to the cache once.
         for order in sublayer_order.orders:
-            _check_order(order, self.default_order)
+            check_order(order, self.default_order)
         collector = None
         self_cache = self_attention_cache_of(past_key_values)
         if self_cache is not None and "self_attn" in self.default_order and self.self_attn.layer_idx is not None:
@@ -1053,14 +777,6 @@ def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_to
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _init_branched_linear(weight: torch.Tensor, num_branches: int, branch_dim: int, dim: int, gain: float):
-    """xavier-uniform for each branch's block separately (fan-in/out of one branch, as fairseq initialises each
-    of MAT's independent attentions)."""
-    for branch in range(num_branches):
-        block = weight.narrow(dim, branch * branch_dim, branch_dim)
-        nn.init.xavier_uniform_(block, gain=gain)
-
-
 class FlexformerPreTrainedModel(PreTrainedModel):
     config_class = FlexformerConfig
     config: FlexformerConfig
@@ -1080,16 +796,16 @@ class FlexformerPreTrainedModel(PreTrainedModel):
         if isinstance(module, FlexformerAttention):
             for projection in (module.q_proj, module.k_proj, module.v_proj):
                 if not getattr(projection.weight, "_is_hf_initialized", False):
-                    _init_branched_linear(projection.weight, module.num_branches, module.embed_dim, 0, 2**-0.5)
+                    init_branched_linear(projection.weight, module.num_branches, module.embed_dim, 0, 2**-0.5)
                     bound = 1.0 / math.sqrt(projection.in_features)
                     nn.init.uniform_(projection.bias, -bound, bound)  # fairseq leaves nn.Linear's default bias
         elif isinstance(module, FlexformerFeedForward):
             if not getattr(module.fc1.weight, "_is_hf_initialized", False):
-                _init_branched_linear(module.fc1.weight, module.num_branches, module.ffn_dim, 0, 1.0)
+                init_branched_linear(module.fc1.weight, module.num_branches, module.ffn_dim, 0, 1.0)
                 nn.init.zeros_(module.fc1.bias)
         elif isinstance(module, BranchMergeLinear):
             if not getattr(module.weight, "_is_hf_initialized", False):
-                _init_branched_linear(module.weight, module.num_branches, module.in_features, 1, 1.0)
+                init_branched_linear(module.weight, module.num_branches, module.in_features, 1, 1.0)
                 nn.init.zeros_(module.bias)
         elif isinstance(module, LearnedPositionalEmbedding):
             if not getattr(module.weight, "_is_hf_initialized", False):
@@ -1221,16 +937,12 @@ class FlexformerModel(FlexformerPreTrainedModel):
         return output if return_dict else output.to_tuple()
 
 
-class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, GenerationMixin):
+class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, FlexformerGenerationMixin):
     """The baseline seq2seq model: `FlexformerModel` + output projection, label-smoothed loss, `generate()`."""
 
     base_model_class = FlexformerModel
     # `forward(**kwargs)` receives Trainer's `num_items_in_batch` and normalises the loss by it itself.
     accepts_loss_kwargs = True
-    # A decoding step with a static cache is one graph: `generate(cache_implementation="static")` compiles it on a
-    # GPU (CUDA graphs). A method whose decoding cannot run on a static cache names why here (and sets the flag off).
-    _can_compile_fullgraph = True
-    static_cache_unsupported_reason: str | None = None
 
     def __init__(self, config: FlexformerConfig):
         super().__init__(config)
@@ -1259,50 +971,6 @@ class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, GenerationMi
 
     def get_decoder(self):
         return self.model.decoder
-
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """Use a `SourceGroupedCache` when `generate()` repeats each source (beams or several samples); refuse a
-        static cache where the method's decoding cannot use one."""
-        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        cache = generation_cache(model_kwargs)
-        if self.static_cache_unsupported_reason is not None and static_cache_capacity(cache) is not None:
-            raise ValueError(
-                f"{type(self).__name__} cannot generate with a static cache (cache_implementation="
-                f"{generation_config.cache_implementation!r} or a StaticCache passed in): "
-                f"{self.static_cache_unsupported_reason}. Use the default cache."
-            )
-        if (
-            type(cache) is EncoderDecoderCache
-            and not getattr(cache, "_is_user_defined", False)
-            and type(cache.self_attention_cache) is DynamicCache
-        ):
-            cache.self_attention_cache = self._generation_self_attention_cache(cache.self_attention_cache)
-        group = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
-        if type(cache) is EncoderDecoderCache and group > 1 and not getattr(cache, "_is_user_defined", False):
-            set_generation_cache(
-                model_kwargs, SourceGroupedCache(cache.self_attention_cache, cache.cross_attention_cache, group)
-            )
-
-    def _generation_self_attention_cache(self, cache: DynamicCache) -> Cache:
-        """The decoder self-attention cache `generate()` runs with, given the fresh `DynamicCache` Transformers
-        built: its layers become `PreallocatedKVLayer`s. Seam: Depth-Adaptive returns a `CopiedStateCache`."""
-        return use_preallocated_layers(cache)
-
-    def _prepare_text_encoder_decoder_kwargs_for_generation(self, inputs_tensor, model_kwargs, *args, **kwargs):
-        """Transformers v5 builds no source mask for encoder-decoder models: infer it from the padding index, so a
-        padded batch's cross-attention ignores the padding at every decoding step (as fairseq does)."""
-        if model_kwargs.get("attention_mask") is None and inputs_tensor is not None and not inputs_tensor.is_floating_point():
-            model_kwargs["attention_mask"] = inputs_tensor.ne(self.config.pad_token_id).long()
-        return super()._prepare_text_encoder_decoder_kwargs_for_generation(inputs_tensor, model_kwargs, *args, **kwargs)
-
-    def _get_logits_processor(self, generation_config, *args, **kwargs) -> LogitsProcessorList:
-        """Transformers' processors, after one that never lets a hypothesis continue with the padding token, as
-        fairseq's generator does: a generated `<pad>` would read as padding to every later step (positions, the
-        decoder's padding mask), so the hypothesis would mean something else than it scored."""
-        processors = super()._get_logits_processor(generation_config, *args, **kwargs)
-        device = kwargs.get("device") or self.device
-        processors.insert(0, SuppressTokensLogitsProcessor([self.config.pad_token_id], device=device))
-        return processors
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
@@ -1395,9 +1063,6 @@ class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, GenerationMi
 
 __all__ = [
     "BackboneComponents",
-    "BranchMergeLinear",
-    "DECODER_SUBLAYERS",
-    "ENCODER_SUBLAYERS",
     "FlexformerAttention",
     "FlexformerDecoder",
     "FlexformerDecoderLayer",
@@ -1407,11 +1072,6 @@ __all__ = [
     "FlexformerForConditionalGeneration",
     "FlexformerModel",
     "FlexformerPreTrainedModel",
-    "LearnedPositionalEmbedding",
-    "PerRowSublayerOrder",
-    "SinusoidalPositionalEmbedding",
     "host_sync_forbidden",
-    "make_positions",
     "shift_tokens_right",
-    "sinusoidal_table",
 ]

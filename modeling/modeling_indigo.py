@@ -22,21 +22,34 @@ Conventions used throughout this file
 from __future__ import annotations
 
 import math
-import weakref
-from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from flexformers.configuration.configuration_indigo import InDIGOConfig
 from torch import nn
 from transformers.generation import GenerationConfig, LogitsProcessorList
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 from transformers.utils import ModelOutput
 
+from flexformers.configuration.configuration_indigo import InDIGOConfig
+
 from .cpu_kernels import PrepackedLinear
-from .kv_caches import SourceGroupedCache, SpareBuffers, new_decoder_cache
+from .indigo_insertion import (
+    LEFT,
+    RIGHT,
+    absolute_positions_from_relative,
+    build_insertion_batch,
+    gap_log_probs,
+    reading_order_from_positions,
+    relative_positions_from_absolute,
+    sao_order_weights,
+)
+from .indigo_search_state import (
+    _CAPTURED_SEARCHES,
+    CapturedSearches,
+    InsertionState,
+    ReferencePointerCache,
+)
+from .kv_caches import SourceGroupedCache, new_decoder_cache
 from .modeling_flexformer import (
     BackboneComponents,
     FlexformerAttention,
@@ -44,188 +57,6 @@ from .modeling_flexformer import (
     FlexformerModel,
 )
 from .transformers_compat import accepts_cache_argument, cache_field, output_cache
-
-LEFT = -1
-RIGHT = 1
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Relative <-> absolute positions (Sec. 3.2, 3.3)
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def relative_positions_from_absolute(positions: torch.Tensor) -> torch.Tensor:
-    """Eq. 3: ``r_{i,j} = -1`` if ``z_j > z_i`` (i left of j), ``0`` if equal, ``+1`` if ``z_j < z_i``.
-
-    ``positions`` ``[..., n]`` (absolute positions z) → ``[..., n, n]`` int8.
-    """
-    return torch.sign(positions.unsqueeze(-1) - positions.unsqueeze(-2)).to(torch.int8)
-
-
-def absolute_positions_from_relative(relative_positions: torch.Tensor) -> torch.Tensor:
-    """Eq. 4: ``z_i = Σ_j max(0, r_{i,j})`` — the number of words left of word i. ``[..., n, n]`` → ``[..., n]``."""
-    return relative_positions.clamp(min=0).sum(-1, dtype=torch.long)
-
-
-def insertion_relative_position(relative_positions: torch.Tensor, anchor: torch.Tensor, side: torch.Tensor) -> torch.Tensor:
-    """Eq. 6: the relative position of a word inserted on ``side`` (-1 left, +1 right) of word ``anchor``.
-
-    ``r_{t+1,j} = s`` for ``j = k`` and ``r_{k,j}`` otherwise: the new word relates to every other word as its
-    anchor does. ``relative_positions`` ``[b, n, n]``, ``anchor``/``side`` ``[b]`` → ``[b, n]`` int8.
-    """
-    rows = relative_positions[torch.arange(relative_positions.shape[0], device=anchor.device), anchor].clone()
-    rows.scatter_(1, anchor[:, None], side[:, None].to(rows.dtype))
-    return rows
-
-
-def append_relative_position(relative_positions: torch.Tensor, new_row: torch.Tensor) -> torch.Tensor:
-    """Eq. 5: ``R^{t+1}`` = ``R^t`` bordered by the new row ``r_{t+1}``, its negation as the new column and 0.
-
-    ``relative_positions`` ``[b, n, n]``, ``new_row`` ``[b, n]`` → ``[b, n+1, n+1]``. Earlier entries never change
-    (append-only), which is what lets the decoder keep its cache.
-    """
-    batch, n = new_row.shape
-    grown = relative_positions.new_zeros(batch, n + 1, n + 1)
-    grown[:, :n, :n] = relative_positions
-    grown[:, n, :n] = new_row
-    grown[:, :n, n] = -new_row
-    return grown
-
-
-def insertion_neighbors(positions: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For every word n of an insertion sequence, its nearest left and right neighbours among the words
-    inserted before it (the two equivalent pointer targets of Eq. 11: right of the left neighbour, left of the
-    right neighbour).
-
-    ``positions`` ``[b, L]`` final absolute positions (any order-preserving numbers), ``valid`` ``[b, L]`` bool.
-    Returns ``(left, right)`` ``[b, L]`` insertion indices; ``-1`` for index 0 and 1 (the boundaries, never inserted)
-    and for invalid words.
-    """
-    length = positions.shape[1]
-    index = torch.arange(length, device=positions.device)
-    earlier = (index[None, :] < index[:, None])[None] & valid[:, None, :]  # [b, n, j]: j inserted before n
-    z_new = positions[:, :, None]
-    z_old = positions[:, None, :].expand(-1, length, -1)
-    big = torch.iinfo(torch.long).max
-    left_candidates = earlier & (z_old < z_new)
-    right_candidates = earlier & (z_old > z_new)
-    left = torch.where(left_candidates, z_old, torch.full_like(z_old, -big)).argmax(-1)
-    right = torch.where(right_candidates, z_old, torch.full_like(z_old, big)).argmin(-1)
-    defined = valid & (index[None, :] >= 2) & left_candidates.any(-1) & right_candidates.any(-1)
-    return left.masked_fill(~defined, -1), right.masked_fill(~defined, -1)
-
-
-def gap_log_probs(slot_log_probs: torch.Tensor, reading_order: torch.Tensor) -> torch.Tensor:
-    """Eq. 11: log p of each relative position (gap) = log(p_right(word at g-1) + p_left(word at g)).
-
-    ``slot_log_probs`` ``[..., 2n]`` (layout of Eq. 9 described in the module docstring), ``reading_order``
-    ``[..., n]`` (insertion index of the word at each reading position) → ``[..., n-1]`` for gaps ``1..n-1``.
-    """
-    n = reading_order.shape[-1]
-    left, right = slot_log_probs[..., :n], slot_log_probs[..., n:]
-    return torch.logaddexp(right.gather(-1, reading_order[..., :-1]), left.gather(-1, reading_order[..., 1:]))
-
-
-def reading_order_from_positions(positions: torch.Tensor) -> torch.Tensor:
-    """Algorithm 1's final reordering: insertion indices sorted by absolute position (``[..., n]``)."""
-    return positions.argsort(dim=-1)
-
-
-def build_insertion_batch(
-    target_ids: torch.Tensor,
-    target_lengths: torch.Tensor,
-    orders: torch.Tensor,
-    bos_token_id: int = 0,
-    eos_token_id: int = 2,
-    eod_token_id: int = 4,
-    pad_token_id: int = 1,
-) -> dict[str, torch.Tensor]:
-    """Teacher-forcing tensors for targets generated in given orders (Sec. 4.2, pre-defined orders and SAO).
-
-    ``target_ids`` ``[b, T]`` reading order (padded), ``target_lengths`` ``[b]``, ``orders`` ``[b, T]`` with
-    ``orders[i, :len_i]`` a permutation of ``0..len_i-1`` (the reading index generated at each step).
-    Returns, for ``L = T + 2``:
-
-    - ``decoder_input_ids`` ``[b, L]``: ``<s> </s> y_order[0] .. y_order[len-1]`` then padding;
-    - ``decoder_attention_mask`` ``[b, L]``;
-    - ``relative_positions`` ``[b, L, L]`` int8 (Eq. 3 from the final positions, which every step agrees with);
-    - ``insertion_labels`` ``[b, L]``: at index i the word inserted next (Eq. 8 targets), ``<eod>`` after the last
-      word, ``-100`` elsewhere;
-    - ``pointer_labels`` ``[b, L, 2]``: at index i the left and right neighbour (insertion indices) of the word
-      inserted next (Eq. 11 targets), ``-100`` where no word is inserted.
-    """
-    batch, max_len = target_ids.shape
-    if orders.shape != target_ids.shape:
-        raise ValueError(f"orders {tuple(orders.shape)} must have the shape of target_ids {tuple(target_ids.shape)}")
-    device = target_ids.device
-    steps = torch.arange(max_len, device=device)
-    in_target = steps[None, :] < target_lengths[:, None]
-    safe_orders = torch.where(in_target, orders, steps[None, :].expand(batch, -1))
-    if bool((safe_orders.sort(-1).values != steps[None, :]).any()):
-        raise ValueError("orders: every row must be a permutation of 0..length-1 over its target length")
-    length = max_len + 2
-    generated = target_ids.gather(1, safe_orders).masked_fill(~in_target, pad_token_id)
-    decoder_input_ids = torch.cat(
-        [torch.full((batch, 1), bos_token_id, device=device), torch.full((batch, 1), eos_token_id, device=device), generated],
-        dim=1,
-    ).long()
-    valid = torch.cat([torch.ones(batch, 2, dtype=torch.bool, device=device), in_target], dim=1)
-    # Padding words get positions beyond </s> so the relations of real words are untouched.
-    positions = torch.cat(
-        [
-            torch.zeros(batch, 1, dtype=torch.long, device=device),
-            (target_lengths + 1)[:, None].long(),
-            torch.where(in_target, safe_orders + 1, target_lengths[:, None] + 2 + steps[None, :]),
-        ],
-        dim=1,
-    )
-    relative_positions = relative_positions_from_absolute(positions)
-    insertion_labels = torch.full((batch, length), -100, dtype=torch.long, device=device)
-    insertion_labels[:, 1:-1] = torch.where(in_target, generated, torch.full_like(generated, -100))
-    insertion_labels.scatter_(1, (target_lengths + 1)[:, None].long(), eod_token_id)
-    left, right = insertion_neighbors(positions, valid)
-    pointer_labels = torch.full((batch, length, 2), -100, dtype=torch.long, device=device)
-    pointer_labels[:, :-1, 0] = left[:, 1:].masked_fill(left[:, 1:] < 0, -100)
-    pointer_labels[:, :-1, 1] = right[:, 1:].masked_fill(right[:, 1:] < 0, -100)
-    return {
-        "decoder_input_ids": decoder_input_ids,
-        "decoder_attention_mask": valid.long(),
-        "relative_positions": relative_positions,
-        "insertion_labels": insertion_labels,
-        "pointer_labels": pointer_labels,
-    }
-
-
-SAO_ORDER_WEIGHTINGS = ("uniform", "posterior")
-
-
-def sao_order_weights(scores: torch.Tensor, weighting: str = "uniform") -> torch.Tensor:
-    """Weights of the orders found by SAO in the training loss, per sentence (``scores`` ``[b, B]`` = log p(y_π|x),
-    ``-inf`` for missing beams).
-
-    ``"uniform"``: Eq. 12, ``q(π|x, y) = 1/B`` on the beam (the paper). ``"posterior"``: ``q ∝ p_θ(y_π|x)`` on the
-    beam — the exact posterior restricted to the found orders (a tighter ELBO); it keeps very unlikely orders from
-    dominating the gradient when the model is already confident (an option, not in the paper).
-    """
-    if weighting not in SAO_ORDER_WEIGHTINGS:
-        raise ValueError(f"sao_order_weighting must be one of {SAO_ORDER_WEIGHTINGS}, got {weighting!r}")
-    finite = torch.isfinite(scores)
-    if weighting == "uniform":
-        return finite.float() / finite.sum(-1, keepdim=True).clamp(min=1)
-    return scores.float().masked_fill(~finite, float("-inf")).softmax(-1)
-
-
-def replay_insertions(tokens: list[int], anchors: list[int], sides: list[int]) -> list[int]:
-    """Plain-list reference of Algorithm 1: insert ``tokens[s]`` on ``sides[s]`` of the word with insertion index
-    ``anchors[s]``, starting from ``[<s>, </s>]`` (insertion indices 0, 1). Returns insertion indices in reading order."""
-    reading = [0, 1]
-    for step, (anchor, side) in enumerate(zip(anchors, sides)):
-        at = reading.index(anchor) + (1 if side == RIGHT else 0)
-        reading.insert(at, step + 2)
-    if len(tokens) != len(anchors):
-        raise ValueError("replay_insertions: one anchor and one side per token")
-    return reading
-
 
 # --------------------------------------------------------------------------------------------------------------------
 # Relative-position self-attention (Eq. 7)
@@ -292,187 +123,6 @@ class InDIGOGenerateOutput(ModelOutput):
     insertion_ids: torch.LongTensor | None = None
     relative_positions: torch.Tensor | None = None
     insertion_trace: list | None = None
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Decoding state
-# --------------------------------------------------------------------------------------------------------------------
-
-
-class InsertionState:
-    """Per-hypothesis state of insertion decoding, grown in place: tokens (generation order), R (Eq. 5), the
-    pointer keys of every word (its final hidden state projected by C and D, Eq. 9 — append-only like the cache)
-    and the trace. ``reorder`` follows beam search's selection together with the KV cache."""
-
-    def __init__(self, batch: int, capacity: int, dim: int, device, dtype, bos: int, eos: int, pad: int):
-        self.length = 2
-        self.tokens = torch.full((batch, capacity), pad, dtype=torch.long, device=device)
-        self.tokens[:, 0], self.tokens[:, 1] = bos, eos
-        self.relations = torch.zeros(batch, capacity, capacity, dtype=torch.int8, device=device)
-        self.relations[:, 0, 1], self.relations[:, 1, 0] = LEFT, RIGHT
-        self.left_keys = torch.zeros(batch, capacity, dim, device=device, dtype=dtype)
-        self.right_keys = torch.zeros(batch, capacity, dim, device=device, dtype=dtype)
-        self.anchors = torch.full((batch, capacity), -1, dtype=torch.long, device=device)
-        self.sides = torch.zeros(batch, capacity, dtype=torch.long, device=device)
-
-    def current_relations(self) -> torch.Tensor:
-        return self.relations[:, : self.length, : self.length]
-
-    def positions(self) -> torch.Tensor:
-        """Eq. 4 on the current partial sequence."""
-        return absolute_positions_from_relative(self.current_relations())
-
-    def store_keys(self, left: torch.Tensor, right: torch.Tensor) -> None:
-        count = left.shape[1]
-        self.left_keys[:, self.length - count : self.length] = left
-        self.right_keys[:, self.length - count : self.length] = right
-
-    def insert(self, tokens: torch.Tensor, anchors: torch.Tensor, sides: torch.Tensor) -> torch.Tensor:
-        """Append one word per hypothesis next to ``anchors`` (Eq. 6, then Eq. 5); returns its relation row
-        ``[b, 1, n+1]`` (the query row the decoder needs for the new token)."""
-        n = self.length
-        new_row = insertion_relative_position(self.current_relations(), anchors, sides)
-        self.relations[:, n, :n] = new_row
-        self.relations[:, :n, n] = -new_row
-        self.tokens[:, n] = tokens
-        self.anchors[:, n] = anchors
-        self.sides[:, n] = sides
-        self.length = n + 1
-        return self.relations[:, n : n + 1, : n + 1]
-
-    def reorder(self, index: torch.Tensor) -> None:
-        for name in ("tokens", "relations", "left_keys", "right_keys", "anchors", "sides"):
-            setattr(self, name, getattr(self, name).index_select(0, index))
-
-
-class ReferencePointerCache:
-    """The SAO search's pointer state (Eq. 9) for every hypothesis, split along Eq. 9's query ``h E + W[y]``.
-
-    The search only ever points with the reference words ``y_m`` of a sentence, so the word part ``W[y_m]·k`` of a
-    slot's logit is fixed once the key ``k`` exists: it is computed when the word is inserted (one product with the
-    sentence's ``T`` reference embeddings, shared by its beams) and kept. A step then adds the state part
-    ``(h E)·k`` — ``O(n·d)`` per hypothesis — to the kept ``[n, 2, T]`` word part, instead of scoring ``T`` full
-    queries against ``n`` keys (``O(T·n·d)``).
-
-    ``keys`` ``[rows, 2, capacity, d]`` (side 0: the left keys ``H C``, side 1: the right keys ``H D``) and
-    ``word_logits`` ``[rows, 2, capacity, T]`` (fp32; the left slot of ``<s>`` and the right slot of ``</s>`` are
-    ``-inf``, Eq. 9's mask), so the first ``n`` positions of both sides read as the module's slot layout
-    ``[left of 0 .. n-1, right of 0 .. n-1]``. Rows are ``sentence * beams + beam``; :meth:`reorder` follows the
-    beam selection.
-    """
-
-    def __init__(self, word_embeddings: torch.Tensor, beams: int, capacity: int, dtype: torch.dtype):
-        batch, words, dim = word_embeddings.shape
-        rows = batch * beams
-        self.length = 0
-        self._reference_embeddings = word_embeddings.to(dtype).transpose(1, 2)  # [batch, d, T]
-        self.keys = torch.zeros(rows, 2, capacity, dim, dtype=dtype, device=word_embeddings.device)
-        self.word_logits = torch.zeros(rows, 2, capacity, words, dtype=torch.float32, device=word_embeddings.device)
-        self._spares = SpareBuffers()
-
-    def append(self, left_keys: torch.Tensor, right_keys: torch.Tensor) -> None:
-        """Store the keys of the words just inserted (``[rows, c, d]`` each) and their word part ``W[y_m]·k``."""
-        start, count = self.length, left_keys.shape[1]
-        end = start + count
-        new_keys = torch.stack([left_keys, right_keys], dim=1).to(self.keys.dtype)  # [rows, 2, c, d]
-        self.keys[:, :, start:end] = new_keys
-        batch, dim, words = self._reference_embeddings.shape
-        word_part = torch.bmm(new_keys.view(batch, -1, dim), self._reference_embeddings)  # [batch, beams·2·c, T]
-        self.word_logits[:, :, start:end] = word_part.view(-1, 2, count, words)
-        for side, position in ((0, 0), (1, 1)):  # left of <s>, right of </s>
-            if start <= position < end:
-                self.word_logits[:, side, position] = float("-inf")
-        self.length = end
-
-    def reorder(self, index: torch.Tensor) -> None:
-        """Beam selection: row ``i`` becomes old row ``index[i]`` (the filled positions, into a spare pair)."""
-        self.keys, self.word_logits = self._spares.reorder(self.keys, self.word_logits, index, self.length)
-
-    def gap_log_probs(self, state_query: torch.Tensor, left_anchor: torch.Tensor, right_anchor: torch.Tensor):
-        """Eq. 9 then Eq. 11 for every reference word m of every hypothesis: ``log(p(right of left_anchor[m]) +
-        p(left of right_anchor[m]))`` under the query ``state_query + W[y_m]`` (``state_query`` = ``h E``
-        ``[rows, d]``, anchors ``[rows, T]`` insertion indices) → ``[rows, T]``."""
-        n = self.length
-        rows = self.keys.shape[0]
-        query = state_query.to(self.keys.dtype)[:, None, :, None].expand(-1, 2, -1, -1)  # [rows, 2, d, 1]
-        state_part = torch.matmul(self.keys[:, :, :n], query).float()  # [rows, 2, n, 1]
-        logits = (self.word_logits[:, :, :n] + state_part).view(rows, 2 * n, -1)  # slots × words: [rows, 2n, T]
-        right_of_left = logits.gather(1, (left_anchor + n).unsqueeze(1))
-        left_of_right = logits.gather(1, right_anchor.unsqueeze(1))
-        return torch.logaddexp(right_of_left, left_of_right).squeeze(1) - logits.logsumexp(1)
-
-
-class CapturedSearches:
-    """The SAO search as CUDA graphs, one per input shape (``model.sao_search_cuda_graphs``).
-
-    On a GPU the search is host dispatch: ~30 steps of ~1,000 small kernels each (≈ 0.35–0.4 s at batch 32 × 30,
-    B = 8, paper size on an H100) for work the GPU finishes in a fraction of that. Its tensor shapes follow from the
-    input shapes alone and it never reads a device value on the host, so the whole search is captured once per
-    input shape into one graph and replayed: the inputs are copied into the graph's own buffers, the outputs cloned
-    out. Replays read the parameters where they live (optimizer steps update them in place; the key holds their
-    addresses, so moved or replaced parameters get a new graph) and draw fresh dropout noise (a graph advances the
-    generator's offset). A shape's first call runs eagerly; its second runs the search twice more eagerly (warm-up)
-    and captures it, so a shape seen once costs nothing extra; the ``max_graphs`` most recently used shapes keep
-    their graphs, each with its own memory pool.
-    """
-
-    def __init__(self, max_graphs: int = 8, max_sightings: int = 256):
-        self.max_graphs = max_graphs
-        self.max_sightings = max_sightings
-        self._graphs: "OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, tuple, tuple]]" = OrderedDict()
-        self._sightings: "OrderedDict[tuple, None]" = OrderedDict()  # shapes run once, eagerly
-
-    def __len__(self) -> int:
-        return len(self._graphs)
-
-    @staticmethod
-    def key(model: nn.Module, inputs: tuple[torch.Tensor | None, ...], *settings) -> tuple:
-        shapes = tuple(None if t is None else (t.shape, t.dtype, t.device) for t in inputs)
-        autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
-        parameters = tuple(parameter.data_ptr() for parameter in model.parameters())
-        return shapes, autocast, model.training, parameters, settings
-
-    def run(self, key: tuple, search: Callable, inputs: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor, ...]:
-        entry = self._graphs.get(key)
-        if entry is None and key not in self._sightings:
-            self._sightings[key] = None
-            while len(self._sightings) > self.max_sightings:
-                self._sightings.popitem(last=False)
-            return search(*inputs)
-        enabled, dtype = key[1]
-        # Autocast's weight-cast cache must not hand casts made outside the graph to the capture (stale on replay).
-        with torch.autocast("cuda", dtype=dtype, enabled=enabled, cache_enabled=False):
-            if entry is None:
-                self._sightings.pop(key)
-                entry = self._capture(search, inputs)
-                self._graphs[key] = entry
-                while len(self._graphs) > self.max_graphs:
-                    self._graphs.popitem(last=False)
-            self._graphs.move_to_end(key)
-            graph, static_inputs, static_outputs = entry
-            for static, given in zip(static_inputs, inputs):
-                if static is not None:
-                    static.copy_(given)
-            graph.replay()
-            return tuple(output.clone() for output in static_outputs)
-
-    @staticmethod
-    def _capture(search: Callable, inputs: tuple[torch.Tensor | None, ...]):
-        static_inputs = tuple(None if t is None else t.detach().clone() for t in inputs)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the main stream, as capture requires: lazy state, workspaces
-            for _ in range(2):
-                search(*static_inputs)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_outputs = search(*static_inputs)
-        return graph, static_inputs, static_outputs
-
-
-# A model's captured searches, outside the module (never saved, copied or pickled with it).
-_CAPTURED_SEARCHES: "weakref.WeakKeyDictionary[nn.Module, CapturedSearches]" = weakref.WeakKeyDictionary()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -1232,15 +882,4 @@ __all__ = [
     "InDIGOModel",
     "InDIGOSelfAttention",
     "InDIGOSeq2SeqOutput",
-    "InsertionState",
-    "absolute_positions_from_relative",
-    "append_relative_position",
-    "build_insertion_batch",
-    "gap_log_probs",
-    "insertion_neighbors",
-    "insertion_relative_position",
-    "reading_order_from_positions",
-    "relative_positions_from_absolute",
-    "replay_insertions",
-    "sao_order_weights",
 ]

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from flexformers.configuration.configuration_iot import IOTConfig
 from torch import nn
 from transformers.cache_utils import Cache
 from transformers.generation.utils import (
@@ -24,15 +23,16 @@ from transformers.generation.utils import (
 )
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
+from flexformers.configuration.configuration_iot import IOTConfig
+
 from .losses import token_loss_terms
 from .modeling_flexformer import (
     BackboneComponents,
     FlexformerAttention,
     FlexformerForConditionalGeneration,
     FlexformerModel,
-    FlexformerPreTrainedModel,
-    PerRowSublayerOrder,
 )
+from .sublayer_order import PerRowSublayerOrder
 from .transformers_compat import accepts_cache_argument
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -28,7 +28,11 @@ import os
 
 import torch
 from torch import Tensor, nn
-from transformers.models.bert.modeling_bert import BertForSequenceClassification, BertModel, BertSelfAttention
+from transformers.models.bert.modeling_bert import (
+    BertForSequenceClassification,
+    BertModel,
+    BertSelfAttention,
+)
 from transformers.models.roberta.modeling_roberta import (
     RobertaForSequenceClassification,
     RobertaModel,
@@ -44,9 +48,9 @@ from flexformers.configuration.configuration_mat import (
     MATRobertaConfig,
 )
 
+from .branch_merge import BranchMergeLinear
 from .modeling_flexformer import (
     BackboneComponents,
-    BranchMergeLinear,
     FlexformerAttention,
     FlexformerFeedForward,
     FlexformerForConditionalGeneration,

@@ -4,30 +4,6 @@ import math
 
 import pytest
 import torch
-from flexformers.configuration import PRESETS, FlexformerConfig
-from flexformers.modeling.cpu_kernels import (
-    VocabularyProjection,
-    dropout,
-    scaled_keep_mask,
-)
-from flexformers.modeling.kv_caches import (
-    PreallocatedKVLayer,
-    StepKVCollector,
-    new_decoder_cache,
-    static_cache_capacity,
-)
-from flexformers.modeling.losses import label_smoothed_nll_loss, token_loss_terms
-from flexformers.modeling.modeling_flexformer import (
-    BranchMergeLinear,
-    FlexformerDecoder,
-    FlexformerForConditionalGeneration,
-    FlexformerModel,
-    PerRowSublayerOrder,
-    _positions_for,
-    make_positions,
-    sinusoidal_table,
-)
-from flexformers.modeling.transformers_compat import cache_field, output_cache
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -43,6 +19,32 @@ from transformers.cache_utils import (
 )
 
 import flexformers  # noqa: F401  (registers the model types)
+from flexformers.configuration import PRESETS, FlexformerConfig
+from flexformers.modeling.branch_merge import BranchMergeLinear
+from flexformers.modeling.cpu_kernels import (
+    VocabularyProjection,
+    dropout,
+    scaled_keep_mask,
+)
+from flexformers.modeling.kv_caches import (
+    PreallocatedKVLayer,
+    StepKVCollector,
+    new_decoder_cache,
+    static_cache_capacity,
+)
+from flexformers.modeling.losses import label_smoothed_nll_loss, token_loss_terms
+from flexformers.modeling.modeling_flexformer import (
+    FlexformerDecoder,
+    FlexformerForConditionalGeneration,
+    FlexformerModel,
+)
+from flexformers.modeling.positional_embeddings import (
+    _positions_for,
+    make_positions,
+    sinusoidal_table,
+)
+from flexformers.modeling.sublayer_order import PerRowSublayerOrder
+from flexformers.modeling.transformers_compat import cache_field, output_cache
 from tests.conftest import tiny_config_kwargs
 
 PAD = 1
@@ -750,7 +752,7 @@ def test_per_row_plan_is_a_shortest_common_supersequence_of_the_orders():
     import itertools
 
     from flexformers.configuration.configuration_iot import DECODER_ORDER_CODES
-    from flexformers.modeling.modeling_flexformer import shortest_common_schedule
+    from flexformers.modeling.sublayer_order import shortest_common_schedule
 
     def contains(schedule, order):
         remaining = iter(schedule)
@@ -874,17 +876,17 @@ def test_collector_writes_an_all_rows_stage_in_place_into_the_preallocated_cache
 
 
 def test_whole_groups_recognises_all_beams_of_some_sentences():
-    from flexformers.modeling.modeling_flexformer import _whole_groups
+    from flexformers.modeling.kv_caches import whole_groups
 
-    assert torch.equal(_whole_groups(torch.tensor([3, 4, 5, 9, 10, 11]), 3), torch.tensor([1, 3]))
-    assert _whole_groups(torch.tensor([3, 4, 5, 9, 10]), 3) is None  # a partial sentence
-    assert _whole_groups(torch.tensor([4, 5, 6]), 3) is None  # straddles two sentences
-    assert _whole_groups(torch.tensor([5, 4, 3]), 3) is None  # beams out of order
-    assert _whole_groups(torch.tensor([], dtype=torch.long), 3) is None
+    assert torch.equal(whole_groups(torch.tensor([3, 4, 5, 9, 10, 11]), 3), torch.tensor([1, 3]))
+    assert whole_groups(torch.tensor([3, 4, 5, 9, 10]), 3) is None  # a partial sentence
+    assert whole_groups(torch.tensor([4, 5, 6]), 3) is None  # straddles two sentences
+    assert whole_groups(torch.tensor([5, 4, 3]), 3) is None  # beams out of order
+    assert whole_groups(torch.tensor([], dtype=torch.long), 3) is None
     rows = torch.tensor([0, 1, 2])
-    assert torch.equal(_whole_groups(rows, 3), torch.tensor([0])) and _whole_groups(rows, 2) is None
+    assert torch.equal(whole_groups(rows, 3), torch.tensor([0])) and whole_groups(rows, 2) is None
     rows[0] = 2  # the remembered answer follows in-place changes of the same tensor
-    assert _whole_groups(rows, 3) is None
+    assert whole_groups(rows, 3) is None
 
 
 def test_decoder_pieces_compose_to_forward():
@@ -923,8 +925,9 @@ def test_layerdrop_only_while_training():
 def test_source_grouped_cache_equals_per_row_cross_attention(tmp_path):
     """Beam search's copies of a source share one set of cross-attention keys/values (SourceGroupedCache);
     logits and attention weights equal the standard per-row cache, and reordering beams leaves them valid."""
-    from flexformers.modeling.kv_caches import SourceGroupedCache
     from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    from flexformers.modeling.kv_caches import SourceGroupedCache
 
     tiny_model().save_pretrained(tmp_path)
     model = FlexformerForConditionalGeneration.from_pretrained(tmp_path, attn_implementation="eager").eval()

@@ -1,23 +1,20 @@
 """Depth-Adaptive Transformer model: equivalences of the early-exit decoder, training losses, generation."""
 
-import flexformers.modeling  # noqa: F401  (registers the model types)
 import pytest
 import torch
+from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, GenerationConfig
+
+import flexformers.modeling  # noqa: F401  (registers the model types)
 from flexformers.configuration.configuration_depth_adaptive import DepthAdaptiveConfig
 from flexformers.configuration.configuration_flexformer import FlexformerConfig
+from flexformers.modeling.depth_adaptive_equations import exit_loss_weights, scale_gradient
 from flexformers.modeling.losses import label_smoothed_nll_loss
-from flexformers.modeling.modeling_depth_adaptive import (
-    DepthAdaptiveForConditionalGeneration,
-    DepthAdaptiveModel,
-    exit_loss_weights,
-    scale_gradient,
-)
+from flexformers.modeling.modeling_depth_adaptive import DepthAdaptiveForConditionalGeneration, DepthAdaptiveModel
 from flexformers.modeling.modeling_flexformer import (
     FlexformerForConditionalGeneration,
     padding_mask,
 )
 from flexformers.modeling.transformers_compat import output_cache
-from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, GenerationConfig
 
 TINY = dict(
     vocab_size=60,
@@ -297,8 +294,8 @@ def test_deferred_copied_states_over_a_generation_longer_than_the_first_buffer()
 
 def _deferred_cache_after_steps(model, source, steps=4):
     """A CopiedStateCache after `steps` early-exit steps at exit 1 (upper blocks never run), and the eager one."""
+    from flexformers.modeling.depth_adaptive_cache import CopiedStateCache
     from flexformers.modeling.kv_caches import new_decoder_cache
-    from flexformers.modeling.modeling_depth_adaptive import CopiedStateCache
 
     caches = []
     for defer in (True, False):

@@ -7,29 +7,31 @@ import torch
 from torch import nn
 
 from flexformers.configuration.configuration_depth_adaptive import DepthAdaptiveConfig
-from flexformers.modeling.modeling_depth_adaptive import (
-    DecoderFlopsShape,
+from flexformers.modeling.depth_adaptive_equations import (
     aligned_decoding_loss,
-    average_exit,
-    average_flops_per_token,
-    block_flops,
     exit_loss,
     exit_loss_weights,
-    exit_prediction_flops,
     geometric_exit_log_probs,
     gradient_scaling_factors,
     mean_encoder_output,
     rbf_kernel,
     scale_gradient,
     sequence_correctness_oracle,
-    sequence_flops,
     sequence_halting_log_probs,
     sequence_likelihood_oracle,
-    skipped_block_flops,
     smooth_over_time,
     token_correctness_oracle,
     token_likelihood_oracle,
     token_multinomial_log_probs,
+)
+from flexformers.modeling.depth_adaptive_flops import (
+    DecoderFlopsShape,
+    average_exit,
+    average_flops_per_token,
+    block_flops,
+    exit_prediction_flops,
+    sequence_flops,
+    skipped_block_flops,
 )
 
 # ---------------------------------------------------------------------------------------------------------------- config

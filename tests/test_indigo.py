@@ -15,12 +15,9 @@ from transformers import AutoModelForSeq2SeqLM, GenerationConfig
 
 import flexformers.modeling  # noqa: F401  (registers the model types)
 from flexformers.configuration.configuration_indigo import InDIGOConfig
-from flexformers.modeling.modeling_indigo import (
+from flexformers.modeling.indigo_insertion import (
     LEFT,
     RIGHT,
-    InDIGOForConditionalGeneration,
-    InsertionState,
-    ReferencePointerCache,
     absolute_positions_from_relative,
     append_relative_position,
     build_insertion_batch,
@@ -31,12 +28,14 @@ from flexformers.modeling.modeling_indigo import (
     relative_positions_from_absolute,
     replay_insertions,
 )
+from flexformers.modeling.indigo_search_state import InsertionState, ReferencePointerCache
+from flexformers.modeling.modeling_indigo import InDIGOForConditionalGeneration
 from flexformers.training_scripts.indigo_orders import (
     InDIGODataCollator,
     common_token_ids_by_frequency,
     order_balanced_tree,
-    order_from_dependency_heads,
     order_frequency_first,
+    order_from_dependency_heads,
     order_left_to_right,
     order_odd_even,
     order_random,
@@ -515,7 +514,7 @@ def test_sao_training_loss_averages_the_found_orders(source):
 
 def test_sao_cuda_graph_switch_is_inert_without_a_gpu(source):
     """`sao_search_cuda_graphs` replays the search as CUDA graphs on a GPU only; on a CPU the search runs as is."""
-    from flexformers.modeling.modeling_indigo import _CAPTURED_SEARCHES
+    from flexformers.modeling.indigo_search_state import _CAPTURED_SEARCHES
 
     torch.manual_seed(0)
     model = InDIGOForConditionalGeneration(tiny_config())
@@ -542,7 +541,7 @@ def test_captured_searches_copy_inputs_in_clone_outputs_out_and_keep_the_recent_
     """The graph cache's own logic, with the capture faked (no GPU here): a shape's first call runs eagerly, its
     second captures, later calls copy their inputs into the graph's buffers and get clones of its outputs; the
     least recently used shape is dropped beyond `max_graphs`; the key follows shapes, mode and parameter addresses."""
-    from flexformers.modeling.modeling_indigo import CapturedSearches
+    from flexformers.modeling.indigo_search_state import CapturedSearches
 
     captures = []
 
@@ -585,7 +584,7 @@ def test_captured_searches_copy_inputs_in_clone_outputs_out_and_keep_the_recent_
 
 
 def test_sao_order_weights():
-    from flexformers.modeling.modeling_indigo import sao_order_weights
+    from flexformers.modeling.indigo_insertion import sao_order_weights
 
     scores = torch.tensor([[-1.0, -2.0, float("-inf")], [-3.0, -3.0, -3.0]])
     uniform = sao_order_weights(scores, "uniform")

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from flexformers.configuration.configuration_indigo import InDIGOConfig
-from flexformers.modeling.modeling_indigo import InDIGOForConditionalGeneration, relative_positions_from_absolute
+from flexformers.modeling.indigo_insertion import relative_positions_from_absolute
+from flexformers.modeling.modeling_indigo import InDIGOForConditionalGeneration
 from flexformers.training_scripts.indigo_orders import InDIGODataCollator, group_subword_tokens
 from flexformers.training_scripts.indigo_trace import partial_sequences, render_png, render_text
 from flexformers.training_scripts.methods.indigo import (

@@ -404,14 +404,14 @@ def test_beam_search_over_an_even_mix_of_four_orders_attends_once_per_sentence(m
 
     monkeypatch.setattr(model, "encode_with_orders", even_mix)
     grouped = []
-    whole_groups = backbone._whole_groups
+    whole_groups = backbone.whole_groups
 
     def spy(rows, group):
         sentences = whole_groups(rows, group)
         grouped.append(sentences is not None)
         return sentences
 
-    monkeypatch.setattr(backbone, "_whole_groups", spy)
+    monkeypatch.setattr(backbone, "whole_groups", spy)
     options = {"num_beams": 3, "max_new_tokens": 5, "min_new_tokens": 5, "return_dict_in_generate": True,
                "output_scores": True}
     out = model.generate(input_ids, attention_mask=mask, **options)
@@ -492,7 +492,12 @@ def test_save_and_auto_load_round_trip(tmp_path):
 
 
 def test_training_method_module():
-    from flexformers.training_scripts.methods.iot import SPEC, GumbelTemperatureCallback, IOTArguments, parse_order_codes
+    from flexformers.training_scripts.methods.iot import (
+        SPEC,
+        GumbelTemperatureCallback,
+        IOTArguments,
+        parse_order_codes,
+    )
 
     assert SPEC.model_type == "iot" and SPEC.model_class is IOTForConditionalGeneration
     assert parse_order_codes("x", "146") == [1, 4, 6] and parse_order_codes("x", "1, 2,4") == [1, 2, 4]

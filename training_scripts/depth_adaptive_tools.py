@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from flexformers.modeling.modeling_depth_adaptive import DecoderFlopsShape, average_flops_per_token
+from flexformers.modeling.depth_adaptive_flops import DecoderFlopsShape, average_flops_per_token
 
 logger = logging.getLogger("flexformers.depth_adaptive")
 EVAL_RESULTS_FILE = "eval_results.json"

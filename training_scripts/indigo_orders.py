@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from flexformers.modeling.modeling_indigo import build_insertion_batch
+from flexformers.modeling.indigo_insertion import build_insertion_batch
 
 PREDEFINED_ORDERS = ("l2r", "r2l", "odd", "blt", "syn", "cf", "rf", "rnd")
 ALL_ORDERS = PREDEFINED_ORDERS + ("sao",)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from flexformers.modeling.modeling_indigo import absolute_positions_from_relative, reading_order_from_positions
+from flexformers.modeling.indigo_insertion import absolute_positions_from_relative, reading_order_from_positions
 
 
 def partial_sequences(insertion_ids: Sequence[int], relative_positions: torch.Tensor) -> list[tuple[list[int], int]]:

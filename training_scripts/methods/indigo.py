@@ -20,8 +20,14 @@ from dataclasses import dataclass, field
 from transformers import Seq2SeqTrainer, TrainerCallback
 
 from flexformers.configuration.configuration_indigo import InDIGOConfig
-from flexformers.modeling.modeling_indigo import SAO_ORDER_WEIGHTINGS, InDIGOForConditionalGeneration
-from flexformers.training_scripts.indigo_orders import ALL_ORDERS, InDIGODataCollator, common_token_ids_by_frequency, load_spacy_pipeline
+from flexformers.modeling.indigo_insertion import SAO_ORDER_WEIGHTINGS
+from flexformers.modeling.modeling_indigo import InDIGOForConditionalGeneration
+from flexformers.training_scripts.indigo_orders import (
+    ALL_ORDERS,
+    InDIGODataCollator,
+    common_token_ids_by_frequency,
+    load_spacy_pipeline,
+)
 from flexformers.training_scripts.model_registry import MethodSpec
 
 

@@ -1,0 +1,114 @@
+"""The order of sub-layers inside a block as data (the seam IOT extends): the names of the sub-layers, an order
+per batch row, and the schedule that runs rows of different orders together."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+# Sub-layers that run once per contiguous row block rather than once on gathered rows: only self-attention,
+# whose growing cache a gather would copy. Cross-attention's fixed-size source keys are cheaper to gather than a
+# second call (IOT's 4 mixed orders, 32 rows: greedy 1.33× → 1.20× the baseline).
+SPLIT_ATTENTION_NAMES = ("self_attn",)
+
+
+ENCODER_SUBLAYERS = ("self_attn", "ffn")
+
+
+DECODER_SUBLAYERS = ("self_attn", "encoder_attn", "ffn")
+
+
+@dataclass
+class PerRowSublayerOrder:
+    """A sub-layer order per batch row: row r runs `orders[order_index[r]]`.
+
+    Build it once per batch (e.g. once per `generate()` call) and pass the same object to every layer and step:
+    the grouping of rows by stage is computed once and cached on it.
+    """
+
+    order_index: torch.LongTensor
+    orders: Sequence[tuple[str, ...]]
+
+    @cached_property
+    def stage_plan(self) -> list[list[tuple[str, torch.Tensor | slice | None]]]:
+        """The steps that run every row's sub-layers in its own order: each step is one sub-layer, applied to the
+        rows whose *next* sub-layer it is, as a list of (sub-layer, rows) entries; `rows=None` = every row.
+
+        The sequence of sub-layers is a shortest common supersequence of the orders present in the batch
+        (`shortest_common_schedule`): the default 4 decoder orders of IOT need 5 sub-layer calls per block this
+        way, against 8 when rows are grouped stage by stage. Rows that form one contiguous block are a `slice`
+        (views instead of copies of the hidden states, the cache and the encoder states; sort the batch by order
+        to get them); a self-attention sub-layer whose rows form a few (≤ number of orders) contiguous blocks runs
+        once per block, so its cache rows are never copied (`SPLIT_ATTENTION_NAMES`).
+        """
+        num_stages = len(self.orders[0])
+        if any(len(order) != num_stages for order in self.orders):
+            raise ValueError(f"orders must all have the same length, got {list(self.orders)}")
+        present = sorted(set(self.order_index.tolist()))
+        schedule = shortest_common_schedule([tuple(self.orders[i]) for i in present])
+        order_rows = {i: torch.nonzero(self.order_index == i).squeeze(1) for i in present}
+        progress = {i: 0 for i in present}
+        plan = []
+        for name in schedule:
+            movers = [i for i in present if progress[i] < num_stages and self.orders[i][progress[i]] == name]
+            for i in movers:
+                progress[i] += 1
+            if len(movers) == len(present):
+                plan.append([(name, None)])
+                continue
+            rows = torch.sort(torch.cat([order_rows[i] for i in movers])).values
+            blocks = contiguous_blocks(rows)
+            if len(blocks) == 1 or (name in SPLIT_ATTENTION_NAMES and len(blocks) <= len(self.orders)):
+                plan.append([(name, block) for block in blocks])
+            else:
+                plan.append([(name, rows)])
+        return plan
+
+    def select(self, rows: torch.Tensor) -> "PerRowSublayerOrder":
+        return PerRowSublayerOrder(self.order_index.index_select(0, rows), self.orders)
+
+
+def shortest_common_schedule(orders: Sequence[tuple[str, ...]]) -> tuple[str, ...]:
+    """A shortest sequence of sub-layer names that contains every order as a subsequence (breadth-first over the
+    rows' progress, so the first complete sequence found is a shortest one; ≤ 7 steps for any set of 3-sub-layer
+    orders). Running its steps in turn, each on the rows whose next sub-layer it is, applies every order."""
+    orders = [tuple(order) for order in orders]
+    names = sorted({name for order in orders for name in order})
+    start = tuple(0 for _ in orders)
+    goal = tuple(len(order) for order in orders)
+    frontier, seen = [(start, ())], {start}
+    while frontier:
+        next_frontier = []
+        for progress, schedule in frontier:
+            if progress == goal:
+                return schedule
+            for name in names:
+                advanced = tuple(
+                    step + 1 if step < len(order) and order[step] == name else step
+                    for order, step in zip(orders, progress)
+                )
+                if advanced != progress and advanced not in seen:
+                    seen.add(advanced)
+                    next_frontier.append((advanced, schedule + (name,)))
+        frontier = next_frontier
+    raise ValueError(f"no schedule for orders {orders}")
+
+
+def contiguous_blocks(rows: torch.Tensor) -> list[slice]:
+    """Sorted row indices → the maximal runs of consecutive rows, as slices (one host sync, at planning time)."""
+    values = rows.tolist()
+    blocks, start = [], values[0]
+    for previous, current in zip(values, values[1:]):
+        if current != previous + 1:
+            blocks.append(slice(start, previous + 1))
+            start = current
+    blocks.append(slice(start, values[-1] + 1))
+    return blocks
+
+
+def check_order(order: Sequence[str], allowed: tuple[str, ...]) -> None:
+    if sorted(order) != sorted(allowed):
+        raise ValueError(f"sublayer_order {tuple(order)} must be a permutation of {allowed}")
