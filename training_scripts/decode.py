@@ -138,15 +138,17 @@ def generate_texts(
     """Hypotheses for ``sources`` (in input order) and throughput statistics of the ``generate`` calls.
 
     Sentences are batched by length (less padding); sources are truncated to the model's
-    ``max_source_positions``."""
+    ``max_source_positions``, with a warning naming each input that was cut."""
     from tqdm.auto import tqdm
 
     max_source = getattr(model.config, "max_source_positions", 1024)
     encoded = source_tokenizer(sources, add_special_tokens=True)["input_ids"]
     too_long = [index for index, ids in enumerate(encoded) if len(ids) > max_source]
-    for index in too_long:
+    for index in too_long[:3]:
         logger.warning("input %d has %d tokens; the model reads at most %d (max_source_positions): decoding its "
                        "first %d tokens only", index + 1, len(encoded[index]), max_source, max_source)
+    if len(too_long) > 3:
+        logger.warning("%d inputs in all were longer than %d tokens and were cut", len(too_long), max_source)
     if too_long:
         truncated = source_tokenizer([sources[i] for i in too_long], add_special_tokens=True, truncation=True,
                                      max_length=max_source)["input_ids"]
