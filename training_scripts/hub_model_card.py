@@ -1,0 +1,212 @@
+"""The model card of an exported folder: rendered from ``hub_cards/<model_type>.md`` (extending ``_base.md``) with
+the checkpoint's architecture, method settings, training arguments and evaluation as ``model-index``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from flexformers.training_scripts.hub_checkpoint import SIGNATURE_FIELDS
+from flexformers.training_scripts.hub_remote_code import ExportError
+
+#: Where the card templates live (``hub_cards/<model_type>.md``, extending ``hub_cards/_base.md``).
+DEFAULT_CARDS_DIR = Path(__file__).resolve().parent.parent / "hub_cards"
+
+
+#: Metrics ``flexformers-decode`` writes and how the card names them (others are shown under their key).
+METRIC_NAMES = {"bleu": "BLEU", "chrf": "chrF", "ter": "TER", "pov": "PoV (% of outputs that parse as Python)"}
+
+
+#: The pipeline's ``--task`` values as Hub task types (model-index) and human-readable names.
+TASK_TYPES = {"translation": "translation"}
+
+
+TASK_NAMES = {
+    "translation": "Translation",
+    "codegen": "Code generation (docstring to Python)",
+    "code2doc": "Code documentation (Python to docstring)",
+    "word_order": "Word order recovery",
+    "files": "Sequence to sequence (parallel files)",
+    "hub": "Sequence to sequence (Hub dataset)",
+}
+
+
+#: Generation settings the card does not list (Transformers' bookkeeping, not decoding choices).
+CARD_HIDDEN_GENERATION = frozenset(
+    {"transformers_version", "_from_model_config", "output_attentions", "output_hidden_states", "use_cache"}
+)
+
+
+#: Config fields shown in the card's hyper-parameter table when the config has them.
+CARD_CONFIG_FIELDS = (
+    "encoder_layers",
+    "decoder_layers",
+    "encoder_embed_dim",
+    "decoder_embed_dim",
+    "encoder_ffn_embed_dim",
+    "decoder_ffn_embed_dim",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
+    "encoder_normalize_before",
+    "decoder_normalize_before",
+    "share_all_embeddings",
+    "share_decoder_input_output_embed",
+    "dropout",
+    "attention_dropout",
+    "activation_dropout",
+    "label_smoothing",
+    "vocab_size",
+    "target_vocab_size",
+)
+
+
+#: Baseline fields a method sets to change the architecture (the backbone's seams).
+_SEAM_FIELDS = (
+    "encoder_use_positions", "decoder_use_positions", "encoder_attention_branches", "decoder_attention_branches",
+    "encoder_ffn_branches", "decoder_ffn_branches",
+)
+
+
+_CONFIG_BOOKKEEPING = frozenset(
+    {"auto_map", "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "_name_or_path"}
+)
+
+
+def method_specific_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config fields that make this model its method: the fields the baseline config does not have, and the
+    backbone's seam switches where they differ from the baseline."""
+    from flexformers.configuration.configuration_flexformer import FlexformerConfig
+
+    baseline = FlexformerConfig().to_dict()
+    fields = {}
+    for key, value in config.items():
+        if key in _CONFIG_BOOKKEEPING:
+            continue
+        if key not in baseline or (key in _SEAM_FIELDS and value != baseline[key]):
+            fields[key] = value
+    return fields
+
+
+def build_card_data(
+    model_name: str,
+    eval_results: dict[str, Any] | None,
+    *,
+    language: Sequence[str] | None = None,
+    license: str | None = None,
+    model_type: str,
+    datasets: Sequence[str] | None = None,
+):
+    """``ModelCardData`` with one ``EvalResult`` per metric of ``eval_results`` (the card's ``model-index``)."""
+    from huggingface_hub import EvalResult, ModelCardData
+
+    results = []
+    if eval_results is not None:
+        signatures = {name: eval_results.get(f"{field}_signature") for name, field in SIGNATURE_FIELDS.items()}
+        for key, value in eval_results["metrics"].items():
+            results.append(
+                EvalResult(
+                    task_type=TASK_TYPES.get(eval_results["task"], "text2text-generation"),
+                    task_name=TASK_NAMES.get(eval_results["task"], eval_results["task"]),
+                    dataset_type=eval_results["dataset"],
+                    dataset_name=eval_results["dataset"],
+                    dataset_split=eval_results["split"],
+                    metric_type=key,
+                    metric_name=METRIC_NAMES.get(key, key),
+                    metric_value=round(float(value), 4),
+                    metric_config=signatures.get(key) or None,
+                )
+            )
+    return ModelCardData(
+        model_name=model_name,
+        eval_results=results or None,
+        language=list(language) if language else None,
+        license=license,
+        library_name="transformers",
+        pipeline_tag=TASK_TYPES.get(eval_results["task"], "text2text-generation") if eval_results else None,
+        tags=["flexformers", model_type, "seq2seq", "custom_code"],
+        datasets=list(datasets) if datasets else None,
+        metrics=sorted(eval_results["metrics"]) if eval_results else None,
+    )
+
+
+def render_model_card(
+    *,
+    model_type: str,
+    model_id: str,
+    config: dict[str, Any],
+    generation_config: dict[str, Any],
+    eval_results: dict[str, Any] | None,
+    training: dict[str, Any],
+    num_parameters: int | None,
+    auto_map: dict[str, str],
+    source_tokenizer_subfolder: str | None = None,
+    training_arguments: dict[str, Any] | None = None,
+    samples: Sequence[dict[str, str]] = (),
+    method_config: dict[str, Any] | None = None,
+    language: Sequence[str] | None = None,
+    license: str | None = None,
+    datasets: Sequence[str] | None = None,
+    cards_dir: str | os.PathLike = DEFAULT_CARDS_DIR,
+) -> str:
+    """Render ``hub_cards/<model_type>.md`` and check that the result parses as a model card with a valid
+    ``model-index`` (``ModelCard(..., ignore_metadata_errors=False)``). Pure: takes plain dicts."""
+    import jinja2
+    from huggingface_hub import ModelCard
+
+    cards_dir = Path(cards_dir)
+    template_name = f"{model_type}.md"
+    if not (cards_dir / template_name).is_file():
+        raise ExportError(f"no model card template {cards_dir / template_name} for model type {model_type!r}")
+    environment = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(cards_dir)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    card_data = build_card_data(
+        model_id.split("/")[-1],
+        eval_results,
+        language=language,
+        license=license,
+        model_type=model_type,
+        datasets=datasets,  # Hub dataset ids only; the pipeline's corpus names are not
+    )
+    default_generation = _default_generation_dict()
+    content = environment.get_template(template_name).render(
+        card_data=card_data.to_yaml(),
+        model_id=model_id,
+        model_type=model_type,
+        config=config,
+        hyperparameters={key: config[key] for key in CARD_CONFIG_FIELDS if config.get(key) is not None},
+        generation={key: value for key, value in generation_config.items() if key not in CARD_HIDDEN_GENERATION},
+        method_generation={
+            key: value
+            for key, value in generation_config.items()
+            if key not in default_generation and key not in ("transformers_version", "_from_model_config")
+        },
+        eval=eval_results,
+        task_name=TASK_NAMES.get(eval_results["task"], eval_results["task"]) if eval_results else None,
+        training_arguments=training_arguments or {},
+        method_config=method_config or {},
+        samples=list(samples),
+        example_input=samples[0]["source"] if samples else None,
+        datasets=list(datasets or []),
+        metric_names=METRIC_NAMES,
+        training=training,
+        num_parameters=num_parameters,
+        auto_map=auto_map,
+        source_tokenizer_subfolder=source_tokenizer_subfolder,
+    )
+    try:
+        card = ModelCard(content, ignore_metadata_errors=False)
+    except Exception as error:
+        raise ExportError(f"the rendered card of {model_type!r} is not a valid model card: {error}") from error
+    return str(card)
+
+
+def _default_generation_dict() -> dict[str, Any]:
+    from transformers import GenerationConfig
+
+    return GenerationConfig().to_dict()
