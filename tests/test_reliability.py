@@ -93,7 +93,7 @@ def test_resume_refuses_incomplete_or_damaged_checkpoints_by_path(tmp_path):
     partial.mkdir(parents=True)
     (partial / "trainer_state.json").write_text("{}")
     (partial / "model.safetensors").write_bytes(b"\0" * 100)
-    with pytest.raises(ValueError, match=r"checkpoint-3: not a complete checkpoint \(.*model.safetensors is damaged"):
+    with pytest.raises(ValueError, match=r"checkpoint-3: not a complete checkpoint \(model.safetensors is corrupt or truncated"):
         train.find_resume_checkpoint(type("A", (), {"resume_from_checkpoint": str(partial), "output_dir": str(tmp_path / "out")}))
     with pytest.raises(ValueError, match=r"no complete checkpoint-\* directory .* \(only incomplete ones: checkpoint-3"):
         train.find_resume_checkpoint(type("A", (), {"resume_from_checkpoint": "latest", "output_dir": str(tmp_path / "out")}))
@@ -527,8 +527,8 @@ def test_stdin_decodes_the_good_lines_and_names_the_bad_one(model_dir, monkeypat
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:500]), r"model.safetensors is (damaged|truncated)"),
-        (lambda d: (d / "model.safetensors").write_bytes(b"\0" * (d / "model.safetensors").stat().st_size), r"model.safetensors is damaged"),
+        (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:500]), r"model.safetensors is (corrupt or truncated|truncated)"),
+        (lambda d: (d / "model.safetensors").write_bytes(b"\0" * (d / "model.safetensors").stat().st_size), r"model.safetensors is corrupt or truncated"),
         (lambda d: (d / "model.safetensors").unlink(), r"has no model weights"),
         (lambda d: (d / "config.json").write_text('{"model_type": "flexformer",'), r"config.json is not valid JSON \(line 1"),
         (lambda d: (d / "config.json").write_text('{"d_model": 32}'), r"config.json names no model_type"),

@@ -34,35 +34,36 @@ _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_m
 
 
 def safetensors_problem(path: str | os.PathLike) -> str | None:
-    """Why a ``.safetensors`` file cannot be loaded (empty, zero-filled, truncated, trailing bytes), or ``None``.
+    """Why a ``.safetensors`` file cannot be loaded (empty, zero-filled, truncated, trailing bytes, a malformed
+    header), or ``None``. Reads the header only: the file must be exactly as long as its header says, and
+    ``safetensors`` must accept every tensor entry."""
+    from safetensors import safe_open
 
-    Reads only the header: the file must be exactly as long as its own header says."""
     path = Path(path)
     try:
         size = path.stat().st_size
         with open(path, "rb") as handle:
             prefix = handle.read(8)
-            if len(prefix) < 8:
-                return f"{path} is truncated ({size} bytes, not even a safetensors header)"
-            header_length = int.from_bytes(prefix, "little")
+            header_length = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
             if header_length <= 0 or 8 + header_length > size:
-                return f"{path} is damaged or truncated ({size} bytes; its header length field reads {header_length})"
+                return f"{path} is corrupt or truncated ({size} bytes; no valid safetensors header)"
             header = json.loads(handle.read(header_length))
+        data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
     except OSError as error:
         return f"{path} cannot be read ({error})"
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        return f"{path} is damaged: its safetensors header is not valid JSON ({error})"
-    if not isinstance(header, dict):
-        return f"{path} is damaged: its safetensors header is not a JSON object"
-    try:
-        data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
-    except (TypeError, KeyError, IndexError):
-        return f"{path} is damaged: its safetensors header has entries without data offsets"
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as error:
+        return f"{path} is corrupt or truncated ({size} bytes): its safetensors header is malformed ({error})"
     if 8 + header_length + data_end != size:
         return (
             f"{path} is truncated or has trailing bytes: its header describes {8 + header_length + data_end} bytes, "
             f"the file has {size}"
         )
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                handle.get_slice(name)  # checks every tensor's dtype, shape and offsets
+    except Exception as error:  # safetensors raises its own SafetensorError for malformed files
+        return f"{path} is corrupt or truncated ({size} bytes): {error}"
     return None
 
 

@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from flexformers.training_scripts.checkpoints import safetensors_problem
 from flexformers.training_scripts.hub_remote_code import ExportError
 
 logger = logging.getLogger(__name__)
@@ -139,8 +140,6 @@ def read_checkpoint_config(checkpoint: Path) -> dict[str, Any]:
 
 def check_weights_file(checkpoint: Path) -> None:
     """Fail clearly on missing, sharded-but-incomplete, or truncated/corrupt safetensors weights."""
-    from safetensors import safe_open
-
     single = checkpoint / WEIGHTS_FILE
     index = checkpoint / WEIGHTS_INDEX_FILE
     if single.is_file():
@@ -157,28 +156,9 @@ def check_weights_file(checkpoint: Path) -> None:
     for path in files:
         if not path.is_file():
             raise ExportError(f"weights file {path} is missing")
-        size = path.stat().st_size
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                names = list(handle.keys())
-                for name in names:
-                    handle.get_slice(name)  # touches every tensor's header entry
-        except Exception as error:  # safetensors raises its own SafetensorError for malformed files
-            raise ExportError(f"{path} is corrupt or truncated ({size} bytes): {error}") from error
-        if _safetensors_data_end(path) != size:
-            raise ExportError(
-                f"{path} is truncated or has trailing bytes: its header describes "
-                f"{_safetensors_data_end(path)} bytes, the file has {size}"
-            )
-
-
-def _safetensors_data_end(path: Path) -> int:
-    """Size a well-formed safetensors file must have according to its own header."""
-    with open(path, "rb") as handle:
-        header_length = int.from_bytes(handle.read(8), "little")
-        header = json.loads(handle.read(header_length))
-    data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
-    return 8 + header_length + data_end
+        problem = safetensors_problem(path)
+        if problem is not None:
+            raise ExportError(problem)
 
 
 def read_training_arguments(checkpoint: Path) -> dict[str, Any]:
