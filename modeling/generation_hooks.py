@@ -3,6 +3,7 @@ and the logits processors. Every model type's `*ForConditionalGeneration` inheri
 
 from __future__ import annotations
 
+import torch
 from transformers import GenerationMixin
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.generation.logits_process import (
@@ -18,6 +19,44 @@ from .kv_caches import (
 from .transformers_compat import generation_cache, set_generation_cache
 
 
+def check_generate_arguments(model, input_ids, generation_config=None, kwargs: dict | None = None) -> None:
+    """A `ValueError` naming the argument for what `generate()` cannot decode -- an empty batch, zero-length
+    sources, ids outside the source vocabulary, `num_beams` / `num_return_sequences` below 1 -- instead of a
+    reshape `RuntimeError`, a `ZeroDivisionError`, a bare `IndexError` or (InDIGO) silently greedy decoding."""
+    kwargs = kwargs or {}
+    resolved = generation_config if generation_config is not None else model.generation_config
+    for name in ("num_beams", "num_return_sequences"):
+        value = kwargs.get(name)
+        value = getattr(resolved, name, None) if value is None else value
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"generate(): {name} must be an integer >= 1, got {value!r}")
+    if input_ids is None:
+        encoder_outputs = kwargs.get("encoder_outputs")
+        states = getattr(encoder_outputs, "last_hidden_state", None)
+        if states is None and isinstance(encoder_outputs, (tuple, list)) and encoder_outputs:
+            states = encoder_outputs[0]
+        if isinstance(states, torch.Tensor) and states.shape[0] == 0:
+            raise ValueError("generate(): encoder_outputs hold an empty batch; give at least one source sequence")
+        return
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(f"generate(): input_ids must be a tensor of token ids, got {type(input_ids).__name__}")
+    if input_ids.dim() == 0 or input_ids.shape[0] == 0:
+        raise ValueError(f"generate(): input_ids is an empty batch (shape {tuple(input_ids.shape)}); give at least "
+                         "one source sequence")
+    if input_ids.is_floating_point():
+        return  # embeddings passed as `inputs`: no ids to check
+    if input_ids.dim() != 2:
+        raise ValueError(f"generate(): input_ids must be 2-D (batch, length), got shape {tuple(input_ids.shape)}")
+    if input_ids.shape[1] == 0:
+        raise ValueError(f"generate(): input_ids has sources of length 0 (shape {tuple(input_ids.shape)}); every "
+                         "source needs at least its </s>")
+    vocab_size = model.config.vocab_size
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"generate(): input_ids holds the id {bad}, outside the source vocabulary [0, {vocab_size})")
+
+
 class FlexformerGenerationMixin(GenerationMixin):
     """`GenerationMixin` with the backbone's decoding cache (preallocated self-attention layers, cross-attention
     stored once per source sentence), an inferred source padding mask and fairseq's never-generate-`<pad>`."""
@@ -26,6 +65,11 @@ class FlexformerGenerationMixin(GenerationMixin):
     # GPU (CUDA graphs). A method whose decoding cannot run on a static cache names why here (and sets the flag off).
     _can_compile_fullgraph = True
     static_cache_unsupported_reason: str | None = None
+
+    def generate(self, inputs=None, generation_config=None, *args, **kwargs):
+        """`GenerationMixin.generate` after :func:`check_generate_arguments`."""
+        check_generate_arguments(self, inputs if inputs is not None else kwargs.get("input_ids"), generation_config, kwargs)
+        return super().generate(inputs, generation_config, *args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """Use a `SourceGroupedCache` when `generate()` repeats each source (beams or several samples); refuse a

@@ -787,6 +787,46 @@ class FlexformerPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_attention_backend = True
     components: BackboneComponents = BackboneComponents()
+    # {model type of a checkpoint: what to call instead} for the mix-ups a method class can name a fix for.
+    other_model_type_hints: dict[str, str] = {}
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, refusing a checkpoint of another model type when the config comes
+        from the checkpoint itself: Transformers would only warn and initialise the weights the checkpoint lacks
+        at random. Passing `config=` loads across types deliberately; the Auto classes always pick the class that
+        matches."""
+        if kwargs.get("config") is None and pretrained_model_name_or_path is not None:
+            cls._check_checkpoint_model_type(pretrained_model_name_or_path, kwargs)
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
+    @classmethod
+    def _check_checkpoint_model_type(cls, pretrained_model_name_or_path, kwargs) -> None:
+        from transformers import PreTrainedConfig
+
+        expected = cls.config_class.model_type
+        lookup = {key: kwargs[key] for key in ("cache_dir", "force_download", "local_files_only", "token", "revision",
+                                               "subfolder", "proxies") if key in kwargs}
+        try:
+            config_dict, _ = PreTrainedConfig.get_config_dict(pretrained_model_name_or_path, **lookup)
+        except (OSError, ValueError):
+            return  # no readable config.json: from_pretrained's own error says so
+        found = config_dict.get("model_type")
+        if not found:
+            raise ValueError(
+                f"{cls.__name__}.from_pretrained({str(pretrained_model_name_or_path)!r}): its config.json has no "
+                f"'model_type', so it cannot be checked to hold a {expected!r} model; add \"model_type\": "
+                f"\"{expected}\" if it does, or pass config="
+            )
+        if found == expected:
+            return
+        hint = cls.other_model_type_hints.get(found)
+        raise ValueError(
+            f"{cls.__name__}.from_pretrained({str(pretrained_model_name_or_path)!r}): the checkpoint is of model "
+            f"type {found!r}, not {expected!r}; loading it here would initialise the weights it lacks at random. "
+            "AutoModelForSeq2SeqLM.from_pretrained picks the class from config.json"
+            + (f"; {hint}" if hint else "; pass config= to convert it deliberately")
+        )
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module):

@@ -49,6 +49,7 @@ from .indigo_search_state import (
     InsertionState,
     ReferencePointerCache,
 )
+from .generation_hooks import check_generate_arguments
 from .kv_caches import SourceGroupedCache, new_decoder_cache
 from .modeling_flexformer import (
     BackboneComponents,
@@ -645,6 +646,7 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
         sequences in reading order (``<s> … </s>``, padded), or an :class:`InDIGOGenerateOutput`; with
         ``return_insertion_trace=True`` the output is always the dataclass with ``insertion_trace`` filled in.
         """
+        check_generate_arguments(self, input_ids, generation_config, kwargs)
         generation_config, encoder_outputs, attention_mask = self._prepare_generation(
             input_ids, attention_mask, generation_config, kwargs
         )

@@ -25,6 +25,7 @@ from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
 from flexformers.configuration.configuration_iot import IOTConfig
 
+from .generation_hooks import check_generate_arguments
 from .losses import token_loss_terms
 from .modeling_flexformer import (
     BackboneComponents,
@@ -868,6 +869,7 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
         """
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
         kwargs.pop("labels", None)  # Seq2SeqTrainer passes the whole batch
+        check_generate_arguments(self, input_ids, generation_config, kwargs)  # before the encoder runs here
         if kwargs.get("encoder_outputs") is not None or input_ids is None:
             return super().generate(input_ids, generation_config, **kwargs)
         attention_mask = kwargs.pop("attention_mask", None)

@@ -243,6 +243,10 @@ class MATForConditionalGeneration(FlexformerForConditionalGeneration):
     config: MATConfig
     base_model_class = MATModel
     components = MAT_COMPONENTS
+    other_model_type_hints = {
+        "flexformer": "to start a MAT model from this trained baseline (proximal initialisation, Sec. 3.3) use "
+        "MATForConditionalGeneration.from_baseline(path)",
+    }
 
     @classmethod
     def from_baseline(cls, baseline, **mat_overrides) -> MATForConditionalGeneration:

@@ -577,3 +577,73 @@ def test_fp16_on_the_cpu_is_refused_not_ignored(tmp_path):
     with pytest.raises(ValueError, match=r"--fp16 needs a GPU.*--bf16 true"):
         train.parse_arguments(tiny_argv(tmp_path, "--fp16", "true"))
     train.parse_arguments(tiny_argv(tmp_path, "--bf16", "true"))  # the CPU's mixed precision stays available
+
+
+# ------------------------------------------------------------------------------ 12. generate() arguments
+def _tiny_models():
+    from flexformers.configuration import DepthAdaptiveConfig, FlexformerConfig, InDIGOConfig, IOTConfig, MATConfig
+    from flexformers.modeling.modeling_depth_adaptive import DepthAdaptiveForConditionalGeneration
+    from flexformers.modeling.modeling_flexformer import FlexformerForConditionalGeneration
+    from flexformers.modeling.modeling_indigo import InDIGOForConditionalGeneration
+    from flexformers.modeling.modeling_iot import IOTForConditionalGeneration
+    from flexformers.modeling.modeling_mat import MATForConditionalGeneration
+
+    from .conftest import tiny_config_kwargs
+
+    pairs = [(FlexformerConfig, FlexformerForConditionalGeneration), (IOTConfig, IOTForConditionalGeneration),
+             (MATConfig, MATForConditionalGeneration), (InDIGOConfig, InDIGOForConditionalGeneration),
+             (DepthAdaptiveConfig, DepthAdaptiveForConditionalGeneration)]
+    torch.manual_seed(0)
+    return [model_class(config_class(**tiny_config_kwargs())).eval() for config_class, model_class in pairs]
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, message",
+    [
+        ((torch.zeros(0, 5, dtype=torch.long),), {}, r"input_ids is an empty batch \(shape \(0, 5\)\)"),
+        ((), {"input_ids": torch.zeros(0, 5, dtype=torch.long)}, r"input_ids is an empty batch"),
+        ((torch.zeros(2, 0, dtype=torch.long),), {}, r"input_ids has sources of length 0"),
+        ((torch.tensor([[5, 6, 2]]),), {"num_beams": 0}, r"num_beams must be an integer >= 1, got 0"),
+        ((torch.tensor([[5, 6, 2]]),), {"num_return_sequences": 0}, r"num_return_sequences must be an integer >= 1"),
+        ((torch.tensor([[5, 600, 2]]),), {}, r"input_ids holds the id 600, outside the source vocabulary \[0, 60\)"),
+        ((torch.tensor([[5, -3, 2]]),), {}, r"input_ids holds the id -3"),
+    ],
+)
+def test_generate_names_the_argument_it_cannot_decode(args, kwargs, message):
+    for model in _tiny_models():
+        with pytest.raises(ValueError, match=rf"generate\(\): {message}"):
+            model.generate(*args, max_new_tokens=2, **kwargs)
+
+
+def test_generate_still_decodes_valid_input():
+    for model in _tiny_models():
+        output = model.generate(torch.tensor([[5, 6, 7, 2], [8, 9, 2, 1]]), num_beams=2, max_new_tokens=3)
+        assert output.shape[0] == 2
+
+
+# ------------------------------------------------------------------------------ 14. from_pretrained across types
+def test_from_pretrained_refuses_a_checkpoint_of_another_model_type(tmp_path):
+    from transformers import AutoModelForSeq2SeqLM
+
+    from flexformers.configuration import FlexformerConfig
+    from flexformers.modeling.modeling_flexformer import FlexformerForConditionalGeneration
+    from flexformers.modeling.modeling_iot import IOTForConditionalGeneration
+    from flexformers.modeling.modeling_mat import MATForConditionalGeneration
+
+    from .conftest import tiny_config_kwargs
+
+    baseline = tmp_path / "baseline"
+    FlexformerForConditionalGeneration(FlexformerConfig(**tiny_config_kwargs())).save_pretrained(baseline)
+    with pytest.raises(ValueError, match=r"MATForConditionalGeneration.from_pretrained\(.*\): the checkpoint is of "
+                       r"model type 'flexformer', not 'mat'.*MATForConditionalGeneration.from_baseline\(path\)"):
+        MATForConditionalGeneration.from_pretrained(baseline)
+    with pytest.raises(ValueError, match=r"model type 'flexformer', not 'iot'.*pass config= to convert"):
+        IOTForConditionalGeneration.from_pretrained(baseline)
+    assert type(AutoModelForSeq2SeqLM.from_pretrained(baseline)) is FlexformerForConditionalGeneration
+    assert MATForConditionalGeneration.from_baseline(baseline).config.model_type == "mat"
+
+    config = json.loads((baseline / "config.json").read_text())
+    del config["model_type"]
+    (baseline / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config.json has no 'model_type'"):
+        FlexformerForConditionalGeneration.from_pretrained(baseline)
