@@ -66,7 +66,7 @@ def test_a_crash_while_saving_leaves_latest_resumable_and_the_result_exact(tmp_p
     with pytest.raises(OSError, match="No space left"):
         train.run_from_argv(tiny_argv(crashed, *common))
     monkeypatch.setattr(transformers.Trainer, "_save_rng_state", original)
-    assert not (crashed / "checkpoint-8").exists() and (crashed / ".tmp-checkpoint-8").is_dir()
+    assert not (crashed / "checkpoint-8").exists() and (crashed / "_tmp-checkpoint-8").is_dir()
     assert checkpoint_problem(crashed / "checkpoint-4") is None
     # What a non-atomic writer leaves when killed mid-save: weights, no trainer_state.json.
     legacy = crashed / "checkpoint-12"
@@ -75,17 +75,37 @@ def test_a_crash_while_saving_leaves_latest_resumable_and_the_result_exact(tmp_p
 
     chosen, skipped = find_latest_complete_checkpoint(crashed)
     assert chosen == str(crashed / "checkpoint-4")
-    assert [name for name, _ in skipped] == ["checkpoint-12", ".tmp-checkpoint-8"]
+    assert [name for name, _ in skipped] == ["checkpoint-12", "_tmp-checkpoint-8"]
 
     caplog.set_level(logging.INFO, logger="flexformers.train")
     train.run_from_argv(tiny_argv(crashed, *common, "--resume_from_checkpoint", "latest"))
     lines = [r.getMessage() for r in caplog.records if "Resuming from" in r.getMessage()]
     assert len(lines) == 1
     assert "checkpoint-4" in lines[0] and "checkpoint-12 (no trainer_state.json)" in lines[0]
-    assert ".tmp-checkpoint-8 (interrupted while being written)" in lines[0]
+    assert "_tmp-checkpoint-8 (interrupted while being written)" in lines[0]
     assert_same_weights(tmp_path / "straight", crashed)
-    assert checkpoint_problem(crashed / "checkpoint-8") is None and not (crashed / ".tmp-checkpoint-8").exists()
+    assert checkpoint_problem(crashed / "checkpoint-8") is None and not (crashed / "_tmp-checkpoint-8").exists()
     assert (crashed / "checkpoint-8" / "flexformers_data_args.json").is_file()
+
+
+def test_a_hub_push_of_a_checkpoint_reads_the_finished_directory(tmp_path, monkeypatch):
+    """With --push_to_hub, Trainer uploads each checkpoint in the background: the upload must get the final
+    checkpoint-N, not the staging directory that is renamed while it runs."""
+    pushed, out = [], tmp_path / "push"
+    monkeypatch.setattr(transformers.Trainer, "_push_from_checkpoint",
+                        lambda self, folder: pushed.append((str(Path(folder).relative_to(out)), checkpoint_problem(folder))))
+
+    class PushDuringTraining(TrainerCallback):  # no Hub repository is created: only the checkpoint pushes run
+        def on_train_begin(self, args, state, control, **kwargs):
+            args.push_to_hub = True
+
+        def on_train_end(self, args, state, control, **kwargs):
+            args.push_to_hub = False
+
+    parsed = train.parse_arguments(tiny_argv(out, "--max_steps", "4", "--save_strategy", "steps",
+                                             "--save_steps", "2"))
+    train.run(*parsed, extra_callbacks=[PushDuringTraining()])
+    assert pushed == [("checkpoint-2", None), ("checkpoint-4", None)]
 
 
 def test_resume_refuses_incomplete_or_damaged_checkpoints_by_path(tmp_path):

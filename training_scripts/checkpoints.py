@@ -4,8 +4,8 @@ Trainer writes ``checkpoint-N`` in place (weights, optimizer, scheduler, RNG sta
 a process killed mid-write -- or a full disk -- leaves a directory that looks like the newest checkpoint but cannot be
 resumed. Two defences:
 
-- :class:`AtomicCheckpointMixin` makes Trainer write every checkpoint into a hidden staging directory
-  (``.tmp-checkpoint-N/checkpoint-N``) and renames it to ``checkpoint-N`` only once it is complete, so a
+- :class:`AtomicCheckpointMixin` makes Trainer write every checkpoint into a staging directory
+  (``_tmp-checkpoint-N/checkpoint-N``) and renames it to ``checkpoint-N`` only once it is complete, so a
   ``checkpoint-N`` name always means a finished checkpoint.
 - :func:`find_latest_complete_checkpoint` (``--resume_from_checkpoint latest``) still checks what it picks -- a
   directory may come from an older version, another tool, or a copy -- and passes over incomplete ones, saying so.
@@ -26,7 +26,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 logger = logging.getLogger("flexformers.train")
 
 TRAINER_STATE_FILE = "trainer_state.json"
-STAGING_PREFIX = ".tmp-"
+# Leading underscore: Trainer's Hub uploads of output_dir skip "_*", so a checkpoint being written is never pushed.
+STAGING_PREFIX = "_tmp-"
 _CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 _STAGING_NAME = re.compile(rf"^{re.escape(STAGING_PREFIX)}{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 # Every layout Trainer.save_model can produce: plain or sharded safetensors / pickles, FSDP's sharded folder.
@@ -187,11 +188,16 @@ class AtomicCheckpointMixin:
         def staging_output_dir(trial=None):
             return staging_root
 
-        self._get_output_dir = staging_output_dir  # instance attribute: shadows the method for this save only
+        # Instance attributes shadow the methods for this save only: Trainer writes under the staging directory,
+        # and its Hub push (an upload running in the background) waits for the final name instead of reading a
+        # directory that is renamed under it.
+        pushes: list[str] = []
+        self._get_output_dir = staging_output_dir
+        self._push_from_checkpoint = pushes.append
         try:
             super()._save_checkpoint(model, trial)
         finally:
-            del self._get_output_dir
+            del self._get_output_dir, self._push_from_checkpoint
         if self.state.best_model_checkpoint == staged:
             # Trainer recorded the staging path as the best checkpoint: point the state (in memory and in the
             # checkpoint's trainer_state.json) at the final name before the directory gets it.
@@ -214,6 +220,8 @@ class AtomicCheckpointMixin:
                 use_mtime=True,
             )
         self.accelerator.wait_for_everyone()
+        if pushes:
+            self._push_from_checkpoint(final)
 
 
 def _replace_directory(source: str, target: str) -> None:
