@@ -1,10 +1,10 @@
-"""Stop ``flexformers-train`` at the first non-finite loss or gradient.
+"""Stop ``flexformers-train`` at the first non-finite loss or gradient norm.
 
 Trainer's ``logging_nan_inf_filter`` hides a NaN loss from the logs (it logs the running average instead) and the
-optimizer then writes NaN into every weight: the run used to end "successfully" with an all-NaN model. Here the
-loss is checked after every forward pass (:class:`FiniteLossMixin`, which can name the model's loss terms) and
-the gradient norm before every optimizer step (:class:`FiniteGradientCallback`), so training stops before a bad
-update reaches the weights; the checkpoints already written stay the last good state.
+optimizer then writes NaN into every weight: the run used to end "successfully" with an all-NaN model.
+:class:`FiniteLossMixin` checks the loss after every forward pass (naming the model's loss terms) and the gradient
+norm Trainer computes before every optimizer step, so training stops before a bad update reaches the weights; the
+checkpoints already written stay the last good state.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers import TrainerCallback
 
 from flexformers.training_scripts.checkpoints import find_latest_complete_checkpoint
 
@@ -57,9 +56,9 @@ def non_finite_error(step: int, what: str, output_dir: str, terms: dict[str, flo
 
 
 class FiniteLossMixin:
-    """Trainer mixin: a non-finite training loss raises :class:`NonFiniteTrainingError` naming the step and the
-    model's loss terms. (Trainer already moves the loss to the host every step for its NaN filter, so the check
-    adds no synchronisation of its own.)"""
+    """Trainer mixin: a non-finite training loss or gradient norm raises :class:`NonFiniteTrainingError` naming
+    the step (and, for the loss, the model's loss terms). Both values are ones Trainer computes and moves to the
+    host every step anyway (for its NaN filter and its ``grad_norm`` log), so the checks cost nothing extra."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
@@ -69,21 +68,15 @@ class FiniteLossMixin:
             raise non_finite_error(self.state.global_step + 1, "the training loss is not finite", self.args.output_dir, terms)
         return (loss, outputs) if return_outputs else loss
 
-
-class FiniteGradientCallback(TrainerCallback):
-    """Before every optimizer step: stop when the gradient norm is NaN or infinite (a finite loss can still give
-    one, e.g. through an overflowing backward). Skipped with ``--fp16``, whose loss scaler expects overflowing steps
-    and skips them itself."""
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        if model is None or args.fp16:
-            return
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if not grads:
-            return
-        norm = float(torch.nn.utils.get_total_norm(grads))
-        if not math.isfinite(norm):
-            raise non_finite_error(state.global_step + 1, f"the gradient norm is {norm}", args.output_dir)
+    def _get_grad_norm(self, model, grad_norm=None):
+        # Called once per optimizer step, just before it; a finite loss can still give an overflowing backward.
+        # With --fp16 the loss scaler expects overflowing steps and skips them itself.
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        if grad_norm is not None and not self.args.fp16:
+            value = float(grad_norm)
+            if not math.isfinite(value):
+                raise non_finite_error(self.state.global_step + 1, f"the gradient norm is {value}", self.args.output_dir)
+        return grad_norm
 
 
-__all__ = ["FiniteGradientCallback", "FiniteLossMixin", "NonFiniteTrainingError", "loss_terms", "non_finite_error"]
+__all__ = ["FiniteLossMixin", "NonFiniteTrainingError", "loss_terms", "non_finite_error"]

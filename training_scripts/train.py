@@ -39,7 +39,7 @@ from flexformers.training_scripts.cpu_heap import retain_freed_memory
 from flexformers.training_scripts.data import load_corpus
 from flexformers.training_scripts.metrics_utils import compute_generation_metrics
 from flexformers.training_scripts.model_registry import MethodSpec, get_method_spec
-from flexformers.training_scripts.nonfinite import FiniteGradientCallback, FiniteLossMixin, NonFiniteTrainingError
+from flexformers.training_scripts.nonfinite import FiniteLossMixin, NonFiniteTrainingError
 from flexformers.training_scripts.tokenizer import (
     SOURCE_TOKENIZER_SUBDIR,
     build_tokenizers,
@@ -399,7 +399,7 @@ def find_resume_checkpoint(training_args) -> str | None:
 
 def training_trainer_class(trainer_class: type) -> type:
     """The method's trainer class as the script runs it: checkpoints written atomically and training stopped at
-    the first non-finite loss (both mixins leave a class that already has them unchanged)."""
+    the first non-finite loss or gradient norm (both mixins leave a class that already has them unchanged)."""
     trainer_class = with_atomic_checkpoints(trainer_class)
     if issubclass(trainer_class, FiniteLossMixin):
         return trainer_class
@@ -447,7 +447,7 @@ def run(spec, model_args, data_args, training_args, method_args, extra_callbacks
     eval_dataset = _limit(tokenized["validation"], data_args.max_eval_samples)
     test_dataset = _limit(tokenized["test"], data_args.max_predict_samples)
 
-    callbacks = spec.make_callbacks(method_args) + list(extra_callbacks or []) + [FiniteGradientCallback()]
+    callbacks = spec.make_callbacks(method_args) + list(extra_callbacks or [])
     if model_args.max_train_minutes:
         callbacks.append(MaxTimeCallback(model_args.max_train_minutes))
     if model_args.max_train_minutes and not training_args.disable_tqdm:
