@@ -33,6 +33,7 @@ from transformers.utils import ModelOutput
 from flexformers.configuration.configuration_indigo import InDIGOConfig
 
 from .cpu_kernels import PrepackedLinear
+from .generation_hooks import check_generate_arguments
 from .indigo_insertion import (
     LEFT,
     RIGHT,
@@ -49,7 +50,6 @@ from .indigo_search_state import (
     InsertionState,
     ReferencePointerCache,
 )
-from .generation_hooks import check_generate_arguments
 from .kv_caches import SourceGroupedCache, new_decoder_cache
 from .modeling_flexformer import (
     BackboneComponents,

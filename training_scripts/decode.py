@@ -28,9 +28,9 @@ import torch
 from transformers import HfArgumentParser
 
 from flexformers.training_scripts.arguments import DataArguments, describe_dataset
+from flexformers.training_scripts.checkpoints import weights_problem
 from flexformers.training_scripts.data import SPLITS, escape_line, load_corpus
 from flexformers.training_scripts.metrics_utils import compute_generation_metrics
-from flexformers.training_scripts.checkpoints import weights_problem
 from flexformers.training_scripts.model_registry import available_model_types, get_method_spec
 from flexformers.training_scripts.tokenizer import load_tokenizers
 
