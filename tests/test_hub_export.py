@@ -872,3 +872,17 @@ def test_exported_model_generates_exactly_like_the_project_model(remote_results,
         # The compared decoding really exited early, with the settings carried by generation_config.json.
         assert generation["exit_strategy"] == "confidence" and generation["exit_thresholds"] == [0.2]
         assert exits[exits > 0].min().item() < model.config.decoder_layers
+
+
+def test_card_shows_the_copy_baseline_beside_the_model(tmp_path):
+    """eval_results.json from flexformers-decode carries the scores of copying the input on the same examples;
+    the card puts them beside the model's, with the difference; a malformed baseline is refused by name."""
+    results = {**EVAL_RESULTS, "copy_baseline": {"bleu": 17.3, "chrf": 29.6, "ter": 85.0},
+               "gain_over_copy": {"bleu": -4.96, "chrf": 10.9, "ter": 4.75}}
+    text = render("flexformer", eval_results=results)
+    assert "| metric | this model | copying the input | model over copying |" in text
+    assert "| BLEU | 12.34 | 17.30 | -4.96 |" in text
+    assert "| chrF | 40.50 | 29.60 | +10.90 |" in text
+    (tmp_path / "eval_results.json").write_text(json.dumps({**results, "copy_baseline": {"bleu": "high"}}))
+    with pytest.raises(ExportError, match="'copy_baseline' must be an object"):
+        export_to_hub.read_eval_results(tmp_path)

@@ -70,3 +70,22 @@ def test_modules_are_shipped_for_every_metric():
 
     for name in LOCAL_METRICS:
         assert os.path.isfile(METRICS_DIR / name / f"{name}.py")
+
+
+def test_copying_the_input_scores_what_sacrebleu_says():
+    """The trivial baseline every evaluation prints: the sources themselves scored as outputs, on the same
+    examples and metrics; the gain is signed so that positive means better than copying (TER flipped)."""
+    from flexformers.training_scripts.metrics_utils import copy_baseline_metrics, gain_over_copy
+
+    sources = ["sat cat The on mat. the", "ist klein Haus Das", "Open file the", "words of bag a"]
+    references = ["The cat sat on the mat.", "Das Haus ist klein", "Open the file", "a bag of words"]
+    copy = copy_baseline_metrics(sources, references)
+    assert copy["bleu"] == pytest.approx(sacrebleu.corpus_bleu(sources, [references]).score, abs=1e-9)
+    assert copy["chrf"] == pytest.approx(sacrebleu.corpus_chrf(sources, [references]).score, abs=1e-9)
+    assert copy["ter"] == pytest.approx(sacrebleu.corpus_ter(sources, [references]).score, abs=1e-9)
+    assert 0 < copy["bleu"] < 20 and copy["chrf"] > 40  # shuffled words: every character, few of the n-grams
+    model = compute_generation_metrics(references[:3] + ["a words bag"], references)
+    gains = gain_over_copy(model, copy)
+    assert gains["bleu"] == pytest.approx(round(model["bleu"] - copy["bleu"], 2))
+    assert gains["ter"] == pytest.approx(round(copy["ter"] - model["ter"], 2)) and gains["ter"] > 0
+    assert set(gains) == {"bleu", "chrf", "ter"}

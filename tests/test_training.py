@@ -289,8 +289,19 @@ def test_quickstart_smoke(tmp_path, capsys):
     result = quickstart.run_from_argv(["--smoke", "--output_dir", str(tmp_path / "qs")])
     printed = capsys.readouterr().out
     assert "REFERENCE:" in printed and "GENERATED:" in printed and "sacrebleu signature:" in printed
-    assert set(result["eval"]["metrics"]) == {"bleu", "chrf", "ter", "pov"}
-    assert (tmp_path / "qs" / "eval_results.json").is_file() and (tmp_path / "qs" / "model.safetensors").is_file()
+    # the model's scores beside copying the input, on the same test examples, in the summary and eval_results.json
+    assert "copying the input" in printed and "model - copy" in printed
+    stored = json.loads((tmp_path / "qs" / "eval_results.json").read_text())
+    assert set(stored["metrics"]) == set(stored["copy_baseline"]) == set(stored["gain_over_copy"]) == {"bleu", "chrf", "ter"}
+    assert stored["task"] == "word_order" and stored == result["eval"]
+    assert stored["copy_baseline"]["chrf"] > 30  # the shuffled sentence has every character of the reference
+    assert (tmp_path / "qs" / "model.safetensors").is_file()
+    # the learning curve: training loss and validation BLEU per update, with the copy baseline
+    assert result["curve"] == str(tmp_path / "qs" / "learning_curve.png")
+    assert (tmp_path / "qs" / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    history = json.loads((tmp_path / "qs" / "trainer_state.json").read_text())["log_history"]
+    assert any("eval_bleu" in entry and "eval_copy_bleu" in entry and "eval_bleu_over_copy" in entry for entry in history)
+    assert any("loss" in entry for entry in history)
 
 
 @pytest.mark.slow
@@ -317,3 +328,27 @@ def test_cpu_training_retains_freed_memory_unless_told_not_to(tmp_path, monkeypa
     assert calls == ["retain"]
     train.run_from_argv(tiny_argv(tmp_path / "off", "--max_steps", "1", "--retain_cpu_memory", "false"))
     assert calls == ["retain"]
+
+
+def test_a_time_budget_is_the_stopping_rule_and_no_checkpoints_need_no_best_model(tmp_path):
+    """`--max_train_minutes` alone trains until the budget (not Trainer's default 3 epochs); `--save_strategy no`
+    is accepted (no checkpoints: no best one to reload); `MaxTimeCallback(deadline=...)` stops at an absolute time
+    that counted the work before training."""
+    import time as clock
+
+    from transformers import TrainerControl, TrainerState
+
+    _, _, _, args, _ = train.parse_arguments(["--output_dir", str(tmp_path), "--max_train_minutes", "30"])
+    assert args.num_train_epochs == train.TIME_BUDGET_EPOCHS
+    _, _, _, args, _ = train.parse_arguments(["--output_dir", str(tmp_path), "--max_train_minutes", "30",
+                                              "--num_train_epochs", "2"])
+    assert args.num_train_epochs == 2
+    _, _, _, args, _ = train.parse_arguments(["--output_dir", str(tmp_path), "--save_strategy", "no"])
+    assert args.save_strategy == "no" and not args.load_best_model_at_end
+
+    for deadline, stops in ((clock.monotonic() - 1.0, True), (clock.monotonic() + 3600.0, False)):
+        callback, control = train.MaxTimeCallback(deadline=deadline), TrainerControl()
+        callback.on_train_begin(args, TrainerState(), control)
+        assert callback.on_step_end(args, TrainerState(), control).should_training_stop is stops
+    with pytest.raises(ValueError, match="exactly one"):
+        train.MaxTimeCallback(max_minutes=1.0, deadline=clock.monotonic())

@@ -30,7 +30,7 @@ from transformers import HfArgumentParser
 from flexformers.training_scripts.arguments import DataArguments, describe_dataset
 from flexformers.training_scripts.checkpoints import weights_problem
 from flexformers.training_scripts.data import SPLITS, escape_line, load_corpus
-from flexformers.training_scripts.metrics_utils import compute_generation_metrics
+from flexformers.training_scripts.metrics_utils import compute_generation_metrics, copy_baseline_metrics, gain_over_copy
 from flexformers.training_scripts.model_registry import available_model_types, get_method_spec
 from flexformers.training_scripts.tokenizer import load_tokenizers
 
@@ -271,6 +271,7 @@ def run(decode_args: DecodeArguments, data_args: DataArguments) -> dict:
     sources, references = list(split["source"]), list(split["target"])
     hypotheses, stats = generate_texts(model, source_tokenizer, target_tokenizer, sources, **generation)
     scores = compute_generation_metrics(hypotheses, references, is_code=data_args.is_code)
+    copy_scores = copy_baseline_metrics(sources, references, is_code=data_args.is_code)
 
     model_dir = Path(decode_args.model_name_or_path)
     output_file = Path(decode_args.output_file or model_dir / f"generations.{decode_args.split}.txt")
@@ -287,6 +288,8 @@ def run(decode_args: DecodeArguments, data_args: DataArguments) -> dict:
         "num_examples": len(sources),
         "within_training_lengths": decode_args.within_training_lengths,
         "metrics": {name: round(scores[name], 2) for name in metric_names},
+        # the same examples and metrics for outputting the input unchanged: what a model gets without learning
+        "copy_baseline": {name: round(copy_scores[name], 2) for name in metric_names},
         "sacrebleu_signature": scores["sacrebleu_signature"],
         "chrf_signature": scores["chrf_signature"],
         "ter_signature": scores["ter_signature"],
@@ -296,6 +299,7 @@ def run(decode_args: DecodeArguments, data_args: DataArguments) -> dict:
         "throughput": dict(stats, device=str(device), dtype="bfloat16" if decode_args.bf16 else "float32",
                            batch_size=decode_args.batch_size),
     }
+    results["gain_over_copy"] = gain_over_copy(results["metrics"], results["copy_baseline"])
     print_report(results, sources, references, hypotheses, decode_args.num_samples_to_print, output_file)
     if decode_args.write_eval_results:
         (model_dir / EVAL_RESULTS_FILE).write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n")
@@ -314,6 +318,10 @@ def print_report(results, sources, references, hypotheses, num_samples, output_f
     subset = " within the training lengths" if results.get("within_training_lengths") else ""
     print(f"{results['dataset']} [{results['split']}, {results['num_examples']} examples{subset}, beam {results['num_beams']}, "
           f"lenpen {results['length_penalty']}]: {metrics}")
+    copy = "  ".join(f"{labels.get(name, name)} {value:.2f}" for name, value in results["copy_baseline"].items())
+    gains = "  ".join(f"{labels.get(name, name)} {value:+.2f}" for name, value in results["gain_over_copy"].items())
+    print(f"copying the input scores: {copy}")
+    print(f"model over copying:       {gains}   (positive = better than copying; TER's sign flipped)")
     print(f"sacrebleu signature: {results['sacrebleu_signature']}")
     throughput = results["throughput"]
     print(f"throughput: {throughput['sentences_per_second']} sentences/s, {throughput['tokens_per_second']} tokens/s "

@@ -247,6 +247,14 @@ def read_eval_results(checkpoint: Path) -> dict[str, Any] | None:
     for name, value in metrics.items():
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
             raise ExportError(f"{path}: metric {name!r} must be a finite number, found {value!r}")
+    for field in ("copy_baseline", "gain_over_copy"):  # optional: older eval_results.json files lack them
+        if field not in results:
+            continue
+        if not isinstance(results[field], dict) or any(
+            not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+            for value in results[field].values()
+        ):
+            raise ExportError(f"{path}: {field!r} must be an object of metric name -> finite number")
     if "num_beams" in results and (not isinstance(results["num_beams"], int) or results["num_beams"] < 1):
         raise ExportError(f"{path}: 'num_beams' must be a positive integer, found {results['num_beams']!r}")
     if "length_penalty" in results and not isinstance(results["length_penalty"], (int, float)):

@@ -45,3 +45,26 @@ def compute_generation_metrics(predictions: list[str], references: list[str], is
     metrics["chrf_signature"] = chrf["signature"]
     metrics["ter_signature"] = ter["signature"]
     return metrics
+
+
+#: Metrics where lower is better (the difference to the copy baseline is reported with the same sign convention:
+#: positive = the model is better).
+LOWER_IS_BETTER = frozenset({"ter"})
+
+
+def copy_baseline_metrics(sources: list[str], references: list[str], is_code: bool = False) -> dict:
+    """The scores of the trivial system that outputs its input unchanged (the shuffled sentence for word order, the
+    English for translation, the docstring for code), on the same examples and with the same metrics as
+    :func:`compute_generation_metrics`. A model scoring near it has learned nothing measurable."""
+    return compute_generation_metrics(list(sources), references, is_code=is_code)
+
+
+def gain_over_copy(metrics: dict, copy_metrics: dict) -> dict:
+    """``{metric: model − copy}`` for the shared numeric metrics, signed so that positive means the model is better
+    (``copy − model`` for TER)."""
+    gains = {}
+    for name, value in metrics.items():
+        if isinstance(value, (int, float)) and isinstance(copy_metrics.get(name), (int, float)):
+            gain = copy_metrics[name] - value if name in LOWER_IS_BETTER else value - copy_metrics[name]
+            gains[name] = round(gain, 2)
+    return gains

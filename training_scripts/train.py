@@ -37,7 +37,7 @@ from flexformers.training_scripts.arguments import (
 from flexformers.training_scripts.checkpoints import resolve_resume_checkpoint, with_atomic_checkpoints
 from flexformers.training_scripts.cpu_heap import retain_freed_memory
 from flexformers.training_scripts.data import load_corpus
-from flexformers.training_scripts.metrics_utils import compute_generation_metrics
+from flexformers.training_scripts.metrics_utils import compute_generation_metrics, copy_baseline_metrics, gain_over_copy
 from flexformers.training_scripts.model_registry import MethodSpec, get_method_spec
 from flexformers.training_scripts.nonfinite import FiniteLossMixin, NonFiniteTrainingError
 from flexformers.training_scripts.tokenizer import (
@@ -63,6 +63,8 @@ FAIRSEQ_TRAINING_DEFAULTS = dict(
     per_device_eval_batch_size=32,
     predict_with_generate=True,
     generation_num_beams=1,
+    # the evaluated sources reach compute_metrics, which scores copying them beside the model (same examples)
+    include_for_metrics=["inputs"],
     eval_strategy="epoch",
     save_strategy="epoch",
     logging_strategy="steps",
@@ -100,7 +102,8 @@ def _align_save_with_eval(argv: list[str]) -> list[str]:
     eval_steps = _flag_value(argv, "eval_steps")
     if eval_steps is not None and _flag_value(argv, "save_steps") is None:
         argv += ["--save_steps", eval_steps]
-    if eval_strategy == "no" and _flag_value(argv, "load_best_model_at_end") is None:
+    if "no" in (eval_strategy, _flag_value(argv, "save_strategy")) and _flag_value(argv, "load_best_model_at_end") is None:
+        # keeping the best checkpoint needs both evaluations and checkpoints; without either there is none to keep
         argv += ["--load_best_model_at_end", "false"]
     return argv
 
@@ -131,6 +134,9 @@ def parse_arguments(argv: list[str] | None = None):
             "use --label_smoothing (applied inside the model) instead"
         )
     _resolve_phases(argv, model_args, training_args)
+    if model_args.max_train_minutes and training_args.max_steps <= 0 and _flag_value(argv, "num_train_epochs") is None:
+        # a time budget is the stopping rule: Trainer's default of 3 epochs would end a long budget early
+        training_args.num_train_epochs = TIME_BUDGET_EPOCHS
     if training_args.fp16 and training_args.device.type == "cpu":
         # Accelerate's CPU autocast is bfloat16 only: --fp16 on the CPU would silently train in float32.
         raise ValueError(
@@ -141,6 +147,8 @@ def parse_arguments(argv: list[str] | None = None):
 
 
 PHASE_FLAGS = ("do_train", "do_eval", "do_predict")
+#: The epoch limit under ``--max_train_minutes`` without ``--num_train_epochs``/``--max_steps``: never reached.
+TIME_BUDGET_EPOCHS = 1_000_000
 
 
 def _given_flags(argv: list[str]) -> set[str]:
@@ -298,9 +306,12 @@ def _limit(dataset, count):
     return dataset if count is None or count >= len(dataset) else dataset.select(range(count))
 
 
-def make_compute_metrics(target_tokenizer, is_code: bool):
-    """``compute_metrics`` for ``predict_with_generate``: BLEU/chrF/TER (+PoV) on detokenised texts."""
+def make_compute_metrics(target_tokenizer, is_code: bool, source_tokenizer=None):
+    """``compute_metrics`` for ``predict_with_generate``: BLEU/chrF/TER (+PoV) on detokenised texts and, when the
+    sources are passed (``include_for_metrics=["inputs"]``, the default here), the same metrics for copying each
+    source unchanged (``copy_bleu``, …) and the model's gain over it (``bleu_over_copy``, …) on the same examples."""
     pad_id = target_tokenizer.pad_token_id
+    source_tokenizer = source_tokenizer or target_tokenizer
 
     def compute_metrics(eval_prediction):
         predictions, labels = eval_prediction.predictions, eval_prediction.label_ids
@@ -314,20 +325,34 @@ def make_compute_metrics(target_tokenizer, is_code: bool):
         logger.info("sacrebleu signature: %s", scores["sacrebleu_signature"])
         result = {k: round(v, 4) for k, v in scores.items() if isinstance(v, float)}
         result["gen_len"] = float(np.mean([np.count_nonzero(row != pad_id) for row in predictions]))
+        if eval_prediction.inputs is not None:
+            inputs = np.where(eval_prediction.inputs < 0, source_tokenizer.pad_token_id, eval_prediction.inputs)
+            sources = source_tokenizer.batch_decode(inputs, skip_special_tokens=True)
+            copy = {k: round(v, 4) for k, v in copy_baseline_metrics(sources, references, is_code).items()
+                    if isinstance(v, float)}
+            result.update({f"copy_{name}": value for name, value in copy.items()})
+            result.update({f"{name}_over_copy": value for name, value in gain_over_copy(result, copy).items()})
         return result
 
     return compute_metrics
 
 
 class MaxTimeCallback(TrainerCallback):
-    """Stop (and save) once ``max_minutes`` of training wall time have passed; all ranks stop at the same step."""
+    """Stop (and save) once ``max_minutes`` of training wall time have passed — or at ``deadline`` (a
+    ``time.monotonic()`` value), for a caller whose budget also counts what ran before training; all ranks stop at
+    the same step."""
 
-    def __init__(self, max_minutes: float):
-        self.max_seconds = 60.0 * max_minutes
+    def __init__(self, max_minutes: float | None = None, deadline: float | None = None):
+        if (max_minutes is None) == (deadline is None):
+            raise ValueError("MaxTimeCallback needs exactly one of max_minutes and deadline")
+        self.max_seconds = None if max_minutes is None else 60.0 * max_minutes
+        self.deadline = deadline
         self.start = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.start = time.monotonic()
+        if self.deadline is not None:
+            self.max_seconds = max(self.deadline - self.start, 0.0)
 
     def on_step_end(self, args, state, control, **kwargs):
         expired = torch.tensor([float(time.monotonic() - self.start >= self.max_seconds)])
@@ -460,7 +485,10 @@ def run(spec, model_args, data_args, training_args, method_args, extra_callbacks
         eval_dataset=eval_dataset if (training_args.do_eval or training_args.eval_strategy != "no") else None,
         processing_class=target_tokenizer,
         data_collator=spec.make_data_collator(source_tokenizer, model, method_args),
-        compute_metrics=make_compute_metrics(target_tokenizer, data_args.is_code) if training_args.predict_with_generate else None,
+        compute_metrics=(
+            make_compute_metrics(target_tokenizer, data_args.is_code, source_tokenizer)
+            if training_args.predict_with_generate else None
+        ),
         callbacks=callbacks,
     )
 
