@@ -99,6 +99,58 @@ class ExitDecider:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class BlockOutputs:
+    """What ``output_hidden_states`` / ``output_attentions`` collect from an early-exit pass, for the whole batch:
+    the embedded input and every block's output states (the last one through ``finalize``), every block's self- and
+    cross-attention weights ``[b, heads, queries, keys]``. Above its exit a position carries its copied state
+    (Sec. 2.2.2) and zero weights: the block did not run for it (or ran on the copied state only to write its own
+    keys/values of it). ``None`` = not collected."""
+
+    hidden_states: list[torch.Tensor] | None = None
+    self_attentions: list[torch.Tensor] | None = None
+    cross_attentions: list[torch.Tensor] | None = None
+
+    @classmethod
+    def wanted(cls, output_hidden_states: bool, output_attentions: bool) -> BlockOutputs | None:
+        if not (output_hidden_states or output_attentions):
+            return None
+        return cls(*(([] if wanted else None) for wanted in (output_hidden_states, output_attentions, output_attentions)))
+
+    @property
+    def attentions(self) -> bool:
+        return self.self_attentions is not None
+
+    def add(self, states, self_weights=None, cross_weights=None, ran: torch.Tensor | None = None) -> None:
+        """One block: the states of every row, the weights of the positions ``ran`` (``[b, T]``; None = all)."""
+        if self.hidden_states is not None:
+            self.hidden_states.append(states)
+        if self.attentions:
+            for collected, weights in ((self.self_attentions, self_weights), (self.cross_attentions, cross_weights)):
+                collected.append(weights if ran is None else weights.masked_fill(~ran[:, None, :, None], 0.0))
+
+    def add_rows(self, states, self_weights, cross_weights, rows: torch.Tensor | None) -> None:
+        """One block of an incremental step that ran for the batch rows ``rows`` only (weights of those rows)."""
+        if rows is not None and self.attentions:
+            self_weights, cross_weights = (
+                weights.new_zeros((states.shape[0], *weights.shape[1:])).index_copy(0, rows, weights)
+                for weights in (self_weights, cross_weights)
+            )
+        self.add(states, self_weights, cross_weights)
+
+    def skip(self, states: torch.Tensor, blocks: int) -> None:
+        """``blocks`` blocks at the top that no row ran: the copied states, zero weights."""
+        for _ in range(blocks):
+            if self.attentions:
+                self.add(states, torch.zeros_like(self.self_attentions[-1]), torch.zeros_like(self.cross_attentions[-1]))
+            else:
+                self.add(states)
+
+    def finish(self, finalize) -> None:
+        if self.hidden_states:
+            self.hidden_states[-1] = finalize(self.hidden_states[-1])
+
+
 class DepthAdaptiveDecoder(FlexformerDecoder):
     """The backbone decoder (``forward`` is the plain full-depth decoder) plus the two early-exit loops built from
     the backbone's ``embed`` / ``run_layer`` / ``finalize`` pieces:
@@ -129,28 +181,35 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
         past_key_values=None,
         rows: torch.Tensor | None = None,
         kv_collector: StepKVCollector | None = None,
-    ) -> torch.Tensor:
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Block ``layer_idx`` for all rows, or for the batch rows ``rows`` with the new self-attention keys/values
-        deferred to ``kv_collector`` (the cache is written once per layer and step, by the collector)."""
+        deferred to ``kv_collector`` (the cache is written once per layer and step, by the collector). Returns the
+        block's output states and, with ``output_attentions``, its self- and cross-attention weights (of those rows)."""
         if rows is None and kv_collector is None:
-            return self.run_layer(layer_idx, hidden_states, past_key_values=past_key_values, **layer_kwargs)[0]
+            return self.run_layer(
+                layer_idx, hidden_states, past_key_values=past_key_values, output_attentions=output_attentions,
+                **layer_kwargs,
+            )
         layer = self.layers[layer_idx]
-        hidden_states, _ = layer.self_attention_sublayer(
+        hidden_states, self_weights = layer.self_attention_sublayer(
             hidden_states,
             attention_mask=layer_kwargs.get("attention_mask"),
             past_key_values=past_key_values,
             rows=rows,
             kv_collector=kv_collector,
+            output_attentions=output_attentions,
         )
-        hidden_states, _ = layer.cross_attention_sublayer(
+        hidden_states, cross_weights = layer.cross_attention_sublayer(
             hidden_states,
             encoder_hidden_states=layer_kwargs["encoder_hidden_states"],
             encoder_attention_mask=layer_kwargs.get("encoder_attention_mask"),
             past_key_values=past_key_values,
             rows=rows,
+            output_attentions=output_attentions,
         )
         hidden_states, _ = layer.feed_forward_sublayer(hidden_states)
-        return hidden_states
+        return hidden_states, self_weights, cross_weights
 
     def _fused_key_value_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All blocks' self-attention K/V projections as one ``[d, N·2D]`` matrix (and bias), rebuilt whenever a
@@ -227,6 +286,7 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
         decider: ExitDecider | None = None,
         keep_states: bool = False,
         gradient_scales: Sequence[float] | None = None,
+        record: BlockOutputs | None = None,
     ):
         """Run the N blocks over all positions. Returns ``(states, exit_states, exits)``:
 
@@ -237,7 +297,7 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
           fixed sequence), else decided by ``decider`` after each block (N when it never fires).
 
         ``gradient_scales`` (γ_1 … γ_N) applies line 5 of Algorithm 1 (Appendix A) between blocks; the caller scales
-        the classifier outputs (line 4).
+        the classifier outputs (line 4). ``record`` collects the hidden states / attention weights.
         """
         num_layers = len(self.layers)
         batch, length = hidden_states.shape[:2]
@@ -251,13 +311,22 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
             exits = torch.full((batch, length), num_layers, dtype=torch.long, device=hidden_states.device)
         done = None if decider is None or token_exits is not None else torch.zeros_like(exits, dtype=torch.bool)
         states = []
+        if record is not None and record.hidden_states is not None:
+            record.hidden_states.append(hidden_states)
         for idx in range(num_layers):
             block = idx + 1
-            output = self.run_block(idx, hidden_states, layer_kwargs, past_key_values)
+            output, self_weights, cross_weights = self.run_block(
+                idx, hidden_states, layer_kwargs, past_key_values, output_attentions=record is not None and record.attentions
+            )
+            ran = None  # the positions this block runs for (None: all)
             if token_exits is not None:
-                output = torch.where((exits >= block).unsqueeze(-1), output, hidden_states)
+                ran = exits >= block
+                output = torch.where(ran.unsqueeze(-1), output, hidden_states)
             elif done is not None and block > 1:
+                ran = ~done
                 output = torch.where(done.unsqueeze(-1), hidden_states, output)
+            if record is not None:
+                record.add(output, self_weights, cross_weights, ran)
             if keep_states:
                 states.append(output)
             if done is not None and block < num_layers:
@@ -271,6 +340,8 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
             hidden_states = output
             if gradient_scales is not None and block < num_layers:
                 hidden_states = scale_gradient(output, 1.0 / gradient_scales[idx + 1])
+        if record is not None:
+            record.finish(self.finalize)
         return states, hidden_states, exits
 
     def _store_copied_states(self, self_cache, first_layer: int, position: int, copied: torch.Tensor, deferring: bool):
@@ -282,9 +353,13 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
         for offset, (keys, values) in enumerate(self.copied_key_values(first_layer, copied)):
             self_cache.update(keys, values, first_layer + offset)
 
-    def early_exit_step(self, hidden_states: torch.Tensor, layer_kwargs: dict, past_key_values, decider, classify):
+    def early_exit_step(
+        self, hidden_states: torch.Tensor, layer_kwargs: dict, past_key_values, decider, classify,
+        record: BlockOutputs | None = None,
+    ):
         """One incremental decoding step with early exits (Appendix B, Algorithm 2) for a batch of single tokens
-        ``[b, 1, d]`` (embedded). Returns ``(logits [b, 1, V], exits [b])``.
+        ``[b, 1, d]`` (embedded). Returns ``(logits [b, 1, V], exits [b])``; ``record`` collects the hidden states /
+        attention weights.
 
         After each block n < N the decider picks the rows that exit. An exited row's state is copied upwards and
         every block above gets its own key/value projections of it, so each layer's cache receives one full-batch
@@ -309,27 +384,43 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
         exited_rows = None  # rows that have exited, in batch order
         copied = None  # [b, 1, d]: each exited row's copied state
         finished: list[tuple] = []  # (rows, logits) of the rows that have exited
+        weights_wanted = record is not None and record.attentions
+        if record is not None and record.hidden_states is not None:
+            record.hidden_states.append(hidden_states)
         for idx in range(num_layers):
             block = idx + 1
             if active_rows is not None and active_rows.numel() == 0:
                 # Every row has exited: the blocks above only need the copied states' keys/values.
                 self._store_copied_states(self_cache, idx, position, copied, deferring)
+                if record is not None:
+                    record.skip(copied, num_layers - idx)
                 break
             if deferring:
                 self.catch_up_copied_states(self_cache, idx, position)
             if exited_rows is None:
-                hidden_states = self.run_block(idx, hidden_states, layer_kwargs, past_key_values)
+                hidden_states, self_weights, cross_weights = self.run_block(
+                    idx, hidden_states, layer_kwargs, past_key_values, output_attentions=weights_wanted
+                )
             elif active_rows.numel() >= self.dense_step_fraction * batch:
                 inputs = copied.index_copy(0, active_rows, hidden_states)
-                hidden_states = self.run_block(idx, inputs, layer_kwargs, past_key_values).index_select(0, active_rows)
+                hidden_states, self_weights, cross_weights = self.run_block(
+                    idx, inputs, layer_kwargs, past_key_values, output_attentions=weights_wanted
+                )
+                hidden_states = hidden_states.index_select(0, active_rows)
+                if weights_wanted:  # the exited rows ran only to write the copied states' keys/values
+                    self_weights, cross_weights = self_weights[active_rows], cross_weights[active_rows]
             else:
                 collector = StepKVCollector(self_cache, idx, batch)
-                hidden_states = self.run_block(
-                    idx, hidden_states, layer_kwargs, past_key_values, rows=active_rows, kv_collector=collector
+                hidden_states, self_weights, cross_weights = self.run_block(
+                    idx, hidden_states, layer_kwargs, past_key_values, rows=active_rows, kv_collector=collector,
+                    output_attentions=weights_wanted,
                 )
                 (keys, values), = self.copied_key_values(idx, copied.index_select(0, exited_rows), num_layers=1)
                 collector.add(exited_rows, keys, values)
                 collector.flush()
+            if record is not None:
+                states = hidden_states if exited_rows is None else copied.index_copy(0, active_rows, hidden_states)
+                record.add_rows(states, self_weights, cross_weights, active_rows)
             if block == num_layers:
                 break
             exit_mask, exit_logits = decider.decide(block, hidden_states, active_rows)
@@ -346,6 +437,9 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
                 exits.fill_(block)
                 finished.append((None, exit_logits if exit_logits is not None else classify(block, hidden_states)))
                 self._store_copied_states(self_cache, idx + 1, position, hidden_states, deferring)
+                if record is not None:
+                    record.skip(hidden_states, num_layers - block)
+                    record.finish(self.finalize)
                 return finished[0][1], exits
             rows_now = active_rows if active_rows is not None else torch.arange(batch, device=exits.device)
             if leaving == hidden_states.shape[0]:
@@ -368,6 +462,8 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
             finished.append(
                 (leaving_rows, leaving_logits if leaving_logits is not None else classify(block, leaving_states))
             )
+        if record is not None:
+            record.finish(self.finalize)
         if active_rows is None:
             return classify(num_layers, hidden_states), exits
         if active_rows.numel() > 0:

@@ -29,7 +29,7 @@ from flexformers.configuration.configuration_depth_adaptive import (
 
 from .cpu_kernels import VocabularyProjection
 from .depth_adaptive_cache import CopiedStateCache
-from .depth_adaptive_decoder import DepthAdaptiveDecoder, ExitDecider, ExitSettings
+from .depth_adaptive_decoder import BlockOutputs, DepthAdaptiveDecoder, ExitDecider, ExitSettings
 from .depth_adaptive_equations import (
     aligned_decoding_loss,
     exit_loss,
@@ -127,7 +127,13 @@ class DepthAdaptiveSeq2SeqLMOutput(Seq2SeqLMOutput):
 
     exits (`[b, T]`): the exit (1..N) of every decoder position (the top block N in aligned training).
     decoding_loss: L_dec (Eq. 4 or Eq. 5); exit_loss: L_exit (Eq. 6, same normalisation as L_dec); `loss` is
-        Eq. 7, L_dec + α·L_exit.
+        Eq. 7, L_dec + α·L_exit — the training objective, also in eval mode (where L_dec is the aligned Eq. 4, a
+        weighted average over the N exits), so it is what `Trainer` reports as `eval_loss`.
+    logits_loss / logits_nll_loss (detached): the label-smoothed cross-entropy of the returned `logits` (the
+        criterion of the baseline's `loss`, same normalisation) and its negative log-likelihood part; exp of the
+        latter is the perplexity of `logits`. In aligned mode (training, and every eval-mode forward with labels)
+        `logits` are the top classifier's, so `logits_loss` is `per_exit_losses[-1]`; in mixed training they are
+        those of the last sampled exit sequence; with `token_exits` or an exit strategy, `loss` is `logits_loss`.
     per_exit_losses (`[N]`, detached): each classifier's label-smoothed loss in aligned mode.
     exit_logits (tuple of N `[b, T, V]`): every classifier's logits (aligned mode, with `return_exit_logits=True`).
     oracle_exits (`[b]` or `[b, T]`) and exit_log_probs (`[b, N]` or `[b, T, N]`): the oracle q* and the halting
@@ -141,6 +147,8 @@ class DepthAdaptiveSeq2SeqLMOutput(Seq2SeqLMOutput):
     exit_logits: tuple[torch.FloatTensor, ...] | None = None
     oracle_exits: torch.LongTensor | None = None
     exit_log_probs: torch.FloatTensor | None = None
+    logits_loss: torch.FloatTensor | None = None
+    logits_nll_loss: torch.FloatTensor | None = None
 
 
 @dataclass
@@ -233,6 +241,10 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
         """Logits W_n h^n_t of Eq. 3."""
         return self.exit_classifier(block)(self.model.decoder.finalize(states))
 
+    def vocabulary_projections(self) -> list[nn.Module]:
+        """C_1 … C_N (Eq. 3), each once: `resize_token_embeddings` resizes them all."""
+        return super().vocabulary_projections() + list(self.exit_classifiers or [])
+
     def classify_by_exit(self, states: torch.Tensor, exits: torch.Tensor) -> torch.Tensor:
         """Logits of each position's own exit classifier: ``states [b, T, d]``, ``exits [b, T]`` → ``[b, T, V]``."""
         if self.exit_classifiers is None:
@@ -312,20 +324,25 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
         return_exit_logits: bool = False,
         **kwargs,
     ) -> DepthAdaptiveSeq2SeqLMOutput | tuple:
-        """See the class docstring. Attention weights and per-layer hidden states are not returned (the early-exit
-        loops do not build them)."""
+        """See the class docstring. `output_hidden_states` / `output_attentions` return the blocks the pass runs
+        (see `BlockOutputs`): above a position's exit, its copied state and zero attention weights."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         for key in ("cache_position", "position_ids", "decoder_position_ids"):
             kwargs.pop(key, None)
         if kwargs:
             raise TypeError(f"DepthAdaptiveForConditionalGeneration.forward got unexpected arguments {sorted(kwargs)}")
         config = self.config
+        output_attentions = config.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
         if attention_mask is None and input_ids is not None:
             attention_mask = input_ids.ne(config.pad_token_id).long()
         if encoder_outputs is None:
-            encoder_outputs = self.model.encoder(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds)
+            encoder_outputs = self.model.encoder(
+                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+            )
         elif not isinstance(encoder_outputs, BaseModelOutput):
-            encoder_outputs = BaseModelOutput(last_hidden_state=encoder_outputs[0])
+            encoder_outputs = BaseModelOutput(*encoder_outputs)
         encoder_states = encoder_outputs.last_hidden_state
         if labels is not None:
             use_cache = False
@@ -338,7 +355,9 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
             past_key_values = None
         decoder = self.model.decoder
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        hidden_states = decoder.embed(decoder_input_ids, past_length, decoder_inputs_embeds)
+        hidden_states = decoder.embed(
+            decoder_input_ids, past_length, decoder_inputs_embeds, attention_mask=decoder_attention_mask
+        )
         batch, length = hidden_states.shape[:2]
         layer_kwargs = {
             "attention_mask": decoder.self_attention_mask(
@@ -347,37 +366,47 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
             "encoder_hidden_states": encoder_states,
             "encoder_attention_mask": padding_mask(attention_mask, hidden_states.dtype),
         }
+        record = BlockOutputs.wanted(output_hidden_states, output_attentions)
         if labels is not None and token_exits is None:
             fields = self._training_forward(
                 hidden_states, layer_kwargs, labels, encoder_states, attention_mask, num_items_in_batch,
-                return_exit_logits,
+                return_exit_logits, record,
             )
         else:
             settings = self.resolve_exit_settings(exit_strategy, fixed_exit, exit_thresholds)
             if token_exits is None and past_key_values is not None and length == 1:
                 decider = self.make_exit_decider(settings, encoder_states, attention_mask)
                 logits, exits = decoder.early_exit_step(
-                    hidden_states, layer_kwargs, past_key_values, decider, self.classify
+                    hidden_states, layer_kwargs, past_key_values, decider, self.classify, record
                 )
                 exits = exits.unsqueeze(-1)
             else:
                 decoder.complete_copied_states(past_key_values)  # the layer-wise pass writes every block's cache
                 decider = None if token_exits is not None else self.make_exit_decider(settings, encoder_states, attention_mask)
                 _, exit_states, exits = decoder.forward_layerwise(
-                    hidden_states, layer_kwargs, past_key_values, token_exits=token_exits, decider=decider
+                    hidden_states, layer_kwargs, past_key_values, token_exits=token_exits, decider=decider,
+                    record=record,
                 )
                 kept_exits = exits
                 if logits_to_keep:
                     exit_states, kept_exits = exit_states[:, -logits_to_keep:], exits[:, -logits_to_keep:]
                 logits = self.classify_by_exit(exit_states, kept_exits)
-            loss = None
+            fields = {"logits": logits, "exits": exits}
             if labels is not None:
-                loss, _ = label_smoothed_nll_loss(logits, labels, config.label_smoothing, num_items_in_batch=num_items_in_batch)
-            fields = {"loss": loss, "logits": logits, "exits": exits, "decoding_loss": loss}
+                loss, nll = label_smoothed_nll_loss(
+                    logits, labels, config.label_smoothing, num_items_in_batch=num_items_in_batch
+                )
+                fields.update(loss=loss, decoding_loss=loss, logits_loss=loss.detach(), logits_nll_loss=nll)
+        record = record or BlockOutputs()
         output = DepthAdaptiveSeq2SeqLMOutput(
             **fields,
             **cache_field(past_key_values if use_cache else None),
+            decoder_hidden_states=None if record.hidden_states is None else tuple(record.hidden_states),
+            decoder_attentions=None if record.self_attentions is None else tuple(record.self_attentions),
+            cross_attentions=None if record.cross_attentions is None else tuple(record.cross_attentions),
             encoder_last_hidden_state=encoder_states,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_attentions=encoder_outputs.attentions,
         )
         return output if return_dict else output.to_tuple()
 
@@ -388,7 +417,7 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
 
     def _training_forward(
         self, hidden_states, layer_kwargs, labels, encoder_states, encoder_attention_mask, num_items_in_batch,
-        return_exit_logits,
+        return_exit_logits, record: BlockOutputs | None = None,
     ) -> dict:
         """The training objective (Eq. 4 or 5, plus α·Eq. 6): the fields of the output."""
         config = self.config
@@ -397,27 +426,35 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
         if self.training and config.training_mode == "mixed":
             # Eq. 5: M exit sequences n_t ~ U{1..N}, copied states above each exit.
             losses = []
-            for _ in range(config.mixed_num_samples):
+            for sample in range(config.mixed_num_samples):
                 sampled = torch.randint(1, self.num_exits + 1, labels.shape, device=labels.device)
-                _, exit_states, _ = decoder.forward_layerwise(hidden_states, layer_kwargs, token_exits=sampled)
+                last = sample == config.mixed_num_samples - 1  # the returned logits and recorded blocks are its
+                _, exit_states, _ = decoder.forward_layerwise(
+                    hidden_states, layer_kwargs, token_exits=sampled, record=record if last else None
+                )
                 logits = self.classify_by_exit(exit_states, sampled)
-                losses.append(label_smoothed_nll_loss(logits, labels, epsilon, num_items_in_batch=num_items_in_batch)[0])
+                sample_loss, nll = label_smoothed_nll_loss(logits, labels, epsilon, num_items_in_batch=num_items_in_batch)
+                losses.append(sample_loss)
             loss = torch.stack(losses).mean()
-            return {"loss": loss, "logits": logits, "exits": sampled, "decoding_loss": loss}
+            return {
+                "loss": loss, "logits": logits, "exits": sampled, "decoding_loss": loss,
+                "logits_loss": losses[-1].detach(), "logits_nll_loss": nll,
+            }
         # Eq. 4, aligned training (also the evaluation loss of every model).
         gammas = None
         if self.training and config.gradient_scaling is not None:
             gammas = gradient_scaling_factors(float(config.gradient_scaling), self.num_exits)
-        states, _, _ = decoder.forward_layerwise(hidden_states, layer_kwargs, keep_states=True, gradient_scales=gammas)
+        states, _, _ = decoder.forward_layerwise(
+            hidden_states, layer_kwargs, keep_states=True, gradient_scales=gammas, record=record
+        )
         exit_logits, per_exit_losses = [], []
         for block, block_states in enumerate(states, start=1):
             logits = self.classify(block, block_states)
             if gammas is not None:
                 logits = scale_gradient(logits, gammas[block - 1])  # Algorithm 1, line 4
             exit_logits.append(logits)
-            per_exit_losses.append(
-                label_smoothed_nll_loss(logits, labels, epsilon, num_items_in_batch=num_items_in_batch)[0]
-            )
+            exit_loss_term, nll = label_smoothed_nll_loss(logits, labels, epsilon, num_items_in_batch=num_items_in_batch)
+            per_exit_losses.append(exit_loss_term)
         per_exit = torch.stack(per_exit_losses)
         decoding_loss = aligned_decoding_loss(
             per_exit, exit_loss_weights(config.exit_loss_weighting, self.num_exits).to(per_exit.device)
@@ -441,6 +478,8 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
             "exit_logits": tuple(exit_logits) if return_exit_logits else None,
             "oracle_exits": oracle,
             "exit_log_probs": log_q,
+            "logits_loss": per_exit[-1].detach(),
+            "logits_nll_loss": nll,
         }
 
     def halting_loss(self, states, exit_logits, labels, encoder_states, encoder_attention_mask):
@@ -534,6 +573,7 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
                 input_ids=input_ids,
                 attention_mask=kwargs.get("attention_mask"),
                 encoder_outputs=kwargs.get("encoder_outputs"),
+                inputs_embeds=kwargs.get("inputs_embeds"),
             )
         finally:
             self._generation_exit_settings = previous
@@ -559,16 +599,19 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
         exit_strategy: str | None = None,
         fixed_exit: int | None = None,
         exit_thresholds: Sequence[float] | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.LongTensor:
         """The exit (1..N) at which each token of ``sequences[:, 1:]`` is emitted under the exit strategy, from one
         layer-wise pass over the hypotheses (teacher forcing on ``sequences[:, :-1]``); 0 after the first ``</s>``.
         ``sequences`` may hold k hypotheses per source row (beam search, ``num_return_sequences``)."""
-        if input_ids is None and encoder_outputs is None:
-            raise ValueError("compute_token_exits needs input_ids or encoder_outputs")
+        if input_ids is None and encoder_outputs is None and inputs_embeds is None:
+            raise ValueError("compute_token_exits needs input_ids, inputs_embeds or encoder_outputs")
         if attention_mask is None and input_ids is not None:
             attention_mask = input_ids.ne(self.config.pad_token_id).long()
         if encoder_outputs is None:
-            encoder_outputs = self.model.encoder(input_ids=input_ids, attention_mask=attention_mask)
+            encoder_outputs = self.model.encoder(
+                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds
+            )
         encoder_states = encoder_outputs[0]
         sources = encoder_states.shape[0]
         if sequences.shape[0] % sources != 0:

@@ -64,6 +64,7 @@ from .sublayer_order import (
 )
 from .transformers_compat import (
     CACHE_NAME,
+    CheckpointOnlyWithGradients,
     accepts_cache_argument,
     cache_field,
     output_cache,
@@ -172,9 +173,10 @@ class FlexformerAttention(nn.Module):
         """Keys and values `[batch, heads, length, head_dim]` of `states`, without attending."""
         return self._split_heads(self.k_proj(states)), self._split_heads(self.v_proj(states))
 
-    def _cross_key_value(self, encoder_states, past_key_values, rows):
+    def _cross_key_value(self, encoder_states, past_key_values, rows, **kwargs):
         """Cross-attention keys/values for the rows (all rows if `rows` is None). With a `SourceGroupedCache`
-        whose group is > 1 and `rows` None, they come back per source sentence (`[batch / group, ...]`)."""
+        whose group is > 1 and `rows` None, they come back per source sentence (`[batch / group, ...]`). `kwargs` are
+        the decoder's layer kwargs of this call (IOT's stacked order paths read theirs here)."""
         if isinstance(past_key_values, EncoderDecoderCache):
             cross_cache = past_key_values.cross_attention_cache
             group = getattr(past_key_values, "group_size", 1)
@@ -221,7 +223,7 @@ class FlexformerAttention(nn.Module):
         past_length = 0
         if self.is_cross_attention:
             query = self._split_heads(self.q_proj(hidden_states))
-            key, value = self._cross_key_value(key_value_states, past_key_values, rows)
+            key, value = self._cross_key_value(key_value_states, past_key_values, rows, **kwargs)
         else:
             query, key, value = (
                 self._split_heads(projected)
@@ -241,7 +243,8 @@ class FlexformerAttention(nn.Module):
             if attention_mask is not None:
                 attention_mask = attention_mask[::group]
         position_bias = self.relative_position_bias(query, rows=rows, **kwargs)
-        implementation = self.config._attn_implementation or "eager"
+        # Read at every call, so `model.set_attn_implementation(...)` takes effect on a loaded model.
+        implementation = self.config._attn_implementation
         # A single query over a `PreallocatedKVLayer` view (strided keys): CPU SDPA copies such keys to contiguous
         # memory first (1.45× the time at 160 rows × 15 positions), while the two batched products read them as is.
         single_query_on_strided_cache = (
@@ -252,11 +255,8 @@ class FlexformerAttention(nn.Module):
         grouped_queries_on_cpu = self.grouped_queries_use_products and group > 1 and key.device.type == "cpu"
         attention_function: Callable = (
             eager_attention_forward
-            if implementation == "eager"
-            or (output_attentions and implementation == "sdpa")
-            or single_query_on_strided_cache
-            or grouped_queries_on_cpu
-            else ALL_ATTENTION_FUNCTIONS[implementation]
+            if (output_attentions and implementation == "sdpa") or single_query_on_strided_cache or grouped_queries_on_cpu
+            else ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         )
         output, weights = attention_function(
             self,
@@ -311,7 +311,20 @@ class FlexformerFeedForward(nn.Module):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-class _ReorderableLayer(GradientCheckpointingLayer):
+def _place_rows(weights: dict, name: str, rows, row_weights: torch.Tensor | None, batch: int) -> None:
+    """Put one sub-layer's attention weights of a row subset into the whole batch's `weights[name]` (every row runs
+    each sub-layer once, whatever its order)."""
+    if row_weights is None:
+        return
+    if name not in weights:
+        weights[name] = row_weights.new_zeros((batch, *row_weights.shape[1:]))
+    if isinstance(rows, slice):
+        weights[name][rows] = row_weights
+    else:
+        weights[name].index_copy_(0, rows, row_weights)
+
+
+class _ReorderableLayer(CheckpointOnlyWithGradients, GradientCheckpointingLayer):
     """Shared machinery of encoder and decoder blocks: each sub-layer is a method with its own residual,
     dropout and LayerNorm, and `forward` runs them in the order it is given."""
 
@@ -360,27 +373,29 @@ class _ReorderableLayer(GradientCheckpointingLayer):
                 # The stage's blocks partition the batch: compute each on a view, concatenate once.
                 pieces = []
                 for name, rows in sorted(stage, key=lambda entry: entry[1].start):
-                    updated, _ = self._sublayer(name)(
+                    updated, stage_weights = self._sublayer(name)(
                         hidden_states[rows], past_key_values=past_key_values, rows=rows, kv_collector=collector,
                         **kwargs,
                     )
+                    _place_rows(weights, name, rows, stage_weights, batch)
                     pieces.append(updated)
                 hidden_states = torch.cat(pieces, dim=0)
                 continue
             for name, rows in stage:
                 compute = self._sublayer(name)
                 if rows is None:
-                    hidden_states, _ = compute(
+                    hidden_states, weights[name] = compute(
                         hidden_states, past_key_values=past_key_values, kv_collector=collector, **kwargs
                     )
                 else:
-                    updated, _ = compute(
+                    updated, stage_weights = compute(
                         index_rows(hidden_states, rows),
                         past_key_values=past_key_values,
                         rows=rows,
                         kv_collector=collector,
                         **kwargs,
                     )
+                    _place_rows(weights, name, rows, stage_weights, batch)
                     if isinstance(rows, slice):
                         hidden_states = torch.cat(
                             [hidden_states[: rows.start], updated, hidden_states[rows.stop :]], dim=0
@@ -464,7 +479,7 @@ class FlexformerDecoderLayer(_ReorderableLayer):
 
     def cross_attention_sublayer(
         self, hidden_states, encoder_hidden_states=None, encoder_attention_mask=None, past_key_values=None,
-        rows=None, output_attentions=False, **kw,
+        rows=None, output_attentions=False, attention_kwargs=None, **kw,
     ):
         if encoder_hidden_states is None:
             raise ValueError("the decoder's encoder-attention sub-layer needs encoder_hidden_states")
@@ -474,6 +489,7 @@ class FlexformerDecoderLayer(_ReorderableLayer):
             lambda x: self.encoder_attn(
                 x, key_value_states=encoder_hidden_states, attention_mask=encoder_attention_mask,
                 past_key_values=past_key_values, rows=rows, output_attentions=output_attentions,
+                **(attention_kwargs or {}),
             ),
         )
 
@@ -498,7 +514,9 @@ class FlexformerDecoderLayer(_ReorderableLayer):
         output_attentions=False,
         **attention_kwargs,
     ):
-        """`attention_kwargs` go to the self-attention's `relative_position_bias` seam (e.g. InDIGO's relations)."""
+        """`attention_kwargs` go to both attentions: the self-attention's `relative_position_bias` seam (InDIGO's
+        relations) and the cross-attention's `_cross_key_value` (IOT's stacked order paths). They are arguments of
+        the call, so a checkpointed block's recomputation in the backward pass sees the same ones."""
         hidden_states, weights = self._run_order(
             hidden_states,
             sublayer_order,
@@ -564,22 +582,35 @@ class _TransformerStack(nn.Module):
         )
         self.layer_norm = nn.LayerNorm(dim) if getattr(config, f"{self.side}_normalize_before") else None
 
-    def _embed(self, input_ids, inputs_embeds, past_length: int | torch.Tensor, max_length: int | None = None):
+    def _embed(
+        self, input_ids, inputs_embeds, past_length: int | torch.Tensor, max_length: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError(f"pass exactly one of {self.input_name} and inputs_embeds to the {self.side}")
         if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids) * self.embed_scale
-        hidden_states = inputs_embeds
+            inputs_embeds = self.embed_tokens(input_ids)
+        # Passed-in embeddings are scaled like the model's own (fairseq's `forward_embedding`): `inputs_embeds` =
+        # `embed_tokens(ids)` (PEFT prompt tuning, soft prompts, `generate(inputs_embeds=...)`) is `input_ids=ids`.
+        hidden_states = inputs_embeds * self.embed_scale
         if self.embed_positions is not None:
-            ids = input_ids
-            if ids is None:  # embeddings given: every position is a real token
-                ids = inputs_embeds.new_full(inputs_embeds.shape[:2], self.padding_idx + 1, dtype=torch.long)
             hidden_states = hidden_states + self.embed_positions(
-                ids, past_length, dtype=hidden_states.dtype, max_length=max_length
+                self._position_tokens(input_ids, inputs_embeds, attention_mask), past_length,
+                dtype=hidden_states.dtype, max_length=max_length,
             )
         if self.layernorm_embedding is not None:
             hidden_states = self.layernorm_embedding(hidden_states)
         return dropout(hidden_states, self.dropout, self.training)
+
+    def _position_tokens(self, input_ids, inputs_embeds, attention_mask) -> torch.Tensor:
+        """What the positions are numbered from (padding keeps no position): the ids, or for passed-in embeddings
+        stand-in ids where the 2-D padding mask (its last columns) has padding; no mask: every position is a token."""
+        if input_ids is not None:
+            return input_ids
+        if attention_mask is None or attention_mask.dim() != 2:
+            return inputs_embeds.new_full(inputs_embeds.shape[:2], self.padding_idx + 1, dtype=torch.long)
+        is_token = attention_mask[:, -inputs_embeds.shape[1] :].bool()
+        return torch.where(is_token, self.padding_idx + 1, self.padding_idx)
 
 
 class FlexformerEncoder(_TransformerStack):
@@ -587,8 +618,12 @@ class FlexformerEncoder(_TransformerStack):
 
     side = "encoder"
 
-    def embed(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self._embed(input_ids, inputs_embeds, 0)
+    def embed(
+        self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Scaled token embeddings (of `input_ids`, or the given unscaled `inputs_embeds`) + positions."""
+        return self._embed(input_ids, inputs_embeds, 0, attention_mask=attention_mask)
 
     def forward(
         self,
@@ -602,7 +637,7 @@ class FlexformerEncoder(_TransformerStack):
     ) -> BaseModelOutput:
         if attention_mask is None and input_ids is not None:
             attention_mask = input_ids.ne(self.padding_idx).long()
-        hidden_states = self.embed(input_ids, inputs_embeds)
+        hidden_states = self.embed(input_ids, inputs_embeds, attention_mask)
         mask = padding_mask(attention_mask, hidden_states.dtype)
         all_hidden, all_attentions = [], []
         for layer in self.layers:
@@ -639,11 +674,12 @@ class FlexformerDecoder(_TransformerStack):
 
     def embed(
         self, input_ids: torch.Tensor | None, past_length: int | torch.Tensor = 0, inputs_embeds=None,
-        max_length: int | None = None,
+        max_length: int | None = None, attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Scaled token embeddings + positions after `past_length` cached tokens (a device tensor for a static
-        cache, whose capacity `max_length` then bounds the positions)."""
-        return self._embed(input_ids, inputs_embeds, past_length, max_length)
+        """Scaled token embeddings (of `input_ids`, or the given unscaled `inputs_embeds`) + positions after
+        `past_length` cached tokens (a device tensor for a static cache, whose capacity `max_length` then bounds the
+        positions); `attention_mask` marks the padding of passed-in embeddings."""
+        return self._embed(input_ids, inputs_embeds, past_length, max_length, attention_mask)
 
     @staticmethod
     def self_attention_mask(
@@ -677,9 +713,16 @@ class FlexformerDecoder(_TransformerStack):
             allowed = allowed & written[:, None, None, :]
         return additive_mask(allowed.expand(batch_size, 1, query_length, key_length), dtype)
 
-    def run_layer(self, layer_idx: int, hidden_states: torch.Tensor, **layer_kwargs):
-        """Run block `layer_idx`; returns (hidden_states, self-attention weights, cross-attention weights)."""
-        return self.layers[layer_idx](hidden_states, **layer_kwargs)
+    def run_layer(
+        self, layer_idx: int, hidden_states: torch.Tensor, attention_mask=None, encoder_hidden_states=None,
+        **layer_kwargs,
+    ):
+        """Run block `layer_idx`; returns (hidden_states, self-attention weights, cross-attention weights).
+
+        The tensors the block differentiates through (its input and the encoder states) go in positionally: a
+        reentrant checkpoint (`use_reentrant=True`) treats only positional tensors as the block's inputs, and would
+        otherwise back-propagate into the encoder once per block while recomputing."""
+        return self.layers[layer_idx](hidden_states, attention_mask, encoder_hidden_states, **layer_kwargs)
 
     def finalize(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The pre-norm stack's final LayerNorm (identity for post-norm)."""
@@ -704,7 +747,9 @@ class FlexformerDecoder(_TransformerStack):
             past_key_values = new_decoder_cache(self.config)
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
         capacity = static_cache_capacity(past_key_values)
-        hidden_states = self.embed(input_ids, past_length, inputs_embeds, max_length=capacity)
+        hidden_states = self.embed(
+            input_ids, past_length, inputs_embeds, max_length=capacity, attention_mask=attention_mask
+        )
         batch, q_len = hidden_states.shape[:2]
         self_mask = self.self_attention_mask(
             batch, q_len, past_length, attention_mask, hidden_states.dtype, hidden_states.device, key_length=capacity
@@ -868,6 +913,59 @@ class FlexformerPreTrainedModel(PreTrainedModel):
                     nn.init.xavier_uniform_(module.weight)
                     nn.init.zeros_(module.bias)
 
+    # ---- vocabulary size -----------------------------------------------------------------------------------------
+    def vocabulary_projections(self) -> list[nn.Linear]:
+        """The projections onto the target vocabulary: the output layer (Depth-Adaptive adds its exit classifiers)."""
+        head = self.get_output_embeddings()
+        return [] if head is None else [head]
+
+    def _resize_token_embeddings(self, new_num_tokens, pad_to_multiple_of=None, mean_resizing=True):
+        """The step of Transformers' `resize_token_embeddings` that resizes the modules (it then sets
+        `config.vocab_size` and ties the shared tables again): the source table and, when both sides share one
+        vocabulary (`target_vocab_size` None), the decoder's table and every output projection too. A separate
+        target vocabulary is resized by `resize_decoder_token_embeddings`."""
+        table = self._get_resized_embeddings(
+            self.get_input_embeddings(), new_num_tokens, pad_to_multiple_of, mean_resizing
+        )
+        self.set_input_embeddings(table)
+        if self.config.target_vocab_size is None:
+            self._resize_target_vocabulary(table.weight.shape[0], None, mean_resizing)
+        return self.get_input_embeddings()
+
+    def resize_decoder_token_embeddings(
+        self, new_num_tokens: int, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
+    ) -> nn.Embedding:
+        """Resize the target vocabulary alone — the decoder's table, every output projection and
+        `config.target_vocab_size` (Marian's method); the source side keeps its size."""
+        if self.config.share_all_embeddings:
+            raise ValueError(
+                "resize_decoder_token_embeddings: with share_all_embeddings=True source and target share one table; "
+                "use resize_token_embeddings"
+            )
+        table = self._resize_target_vocabulary(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        self.config.target_vocab_size = table.weight.shape[0]
+        self.tie_weights()
+        return table
+
+    def _resize_target_vocabulary(self, new_num_tokens, pad_to_multiple_of, mean_resizing) -> nn.Embedding:
+        # Both helpers are Transformers' own; the tables are resized in place (a shared table only once), and a
+        # projection keeps its class (the prepacked `VocabularyProjection`) with the resized parameters.
+        decoder = self.get_decoder()
+        decoder.embed_tokens = self._get_resized_embeddings(
+            decoder.embed_tokens, new_num_tokens, pad_to_multiple_of, mean_resizing
+        )
+        new_num_tokens = decoder.embed_tokens.weight.shape[0]
+        for projection in self.vocabulary_projections():
+            resized = self._get_resized_lm_head(projection, new_num_tokens, mean_resizing=mean_resizing)
+            if resized is not projection:
+                for name in ("weight", "bias"):
+                    parameter = getattr(resized, name)
+                    if parameter is not None:
+                        parameter.requires_grad_(getattr(projection, name).requires_grad)
+                    setattr(projection, name, parameter)
+                projection.out_features = new_num_tokens
+        return decoder.embed_tokens
+
     @property
     def dummy_inputs(self):
         pad = self.config.pad_token_id
@@ -885,7 +983,10 @@ class FlexformerModel(FlexformerPreTrainedModel):
         encoder_embeddings = nn.Embedding(config.vocab_size, config.encoder_embed_dim, pad)
         if config.share_all_embeddings:
             decoder_embeddings = encoder_embeddings
-            self._tied_weights_keys = {"encoder.embed_tokens.weight": "decoder.embed_tokens.weight"}
+            # The encoder registers the shared table first, so `named_parameters()` and the checkpoint call it by the
+            # encoder's name: that name is the source of the tie (checkpoints saved under the decoder's name still
+            # load: Transformers ties either way round).
+            self._tied_weights_keys = {"decoder.embed_tokens.weight": "encoder.embed_tokens.weight"}
         else:
             decoder_embeddings = nn.Embedding(config.decoder_vocab_size, config.decoder_embed_dim, pad)
             self._tied_weights_keys = {}
@@ -989,7 +1090,8 @@ class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, FlexformerGe
         self.model = type(self).base_model_class(config)
         self.lm_head = VocabularyProjection(config.decoder_embed_dim, config.decoder_vocab_size, bias=False)
         if config.share_decoder_input_output_embed:
-            self._tied_weights_keys = {"lm_head.weight": "model.decoder.embed_tokens.weight"}
+            table = "encoder" if config.share_all_embeddings else "decoder"  # the name named_parameters() reports
+            self._tied_weights_keys = {"lm_head.weight": f"model.{table}.embed_tokens.weight"}
         else:
             self._tied_weights_keys = {}
         self.post_init()

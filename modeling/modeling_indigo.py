@@ -21,33 +21,24 @@ Conventions used throughout this file
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.generation import GenerationConfig, LogitsProcessorList
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
-from transformers.utils import ModelOutput
 
 from flexformers.configuration.configuration_indigo import InDIGOConfig
 
 from .cpu_kernels import PrepackedLinear
-from .generation_hooks import check_generate_arguments
+from .indigo_decoding import InDIGOGenerateOutput, InsertionDecoding
 from .indigo_insertion import (
-    LEFT,
-    RIGHT,
-    absolute_positions_from_relative,
     build_insertion_batch,
-    gap_log_probs,
-    reading_order_from_positions,
     relative_positions_from_absolute,
     sao_order_weights,
 )
 from .indigo_search_state import (
     _CAPTURED_SEARCHES,
     CapturedSearches,
-    InsertionState,
     ReferencePointerCache,
 )
 from .kv_caches import SourceGroupedCache, new_decoder_cache
@@ -108,24 +99,6 @@ class InDIGOSeq2SeqOutput(Seq2SeqLMOutput):
     searched_scores: torch.Tensor | None = None
 
 
-@dataclass
-class InDIGOGenerateOutput(ModelOutput):
-    """``generate(..., return_dict_in_generate=True)``.
-
-    ``sequences`` are in reading order (``<s> w_1 .. w_n </s>`` then padding); ``insertion_ids`` the same tokens in
-    generation order (``<s> </s>`` first, no ``<eod>``); ``insertion_trace`` per sequence a list of steps
-    ``(token_id, anchor, side, position)``: the word, the insertion index of the word it went next to, ``"left"`` /
-    ``"right"`` and its absolute position right after the insertion.
-    """
-
-    sequences: torch.LongTensor | None = None
-    sequences_scores: torch.Tensor | None = None
-    scores: tuple | None = None
-    insertion_ids: torch.LongTensor | None = None
-    relative_positions: torch.Tensor | None = None
-    insertion_trace: list | None = None
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # The model
 # --------------------------------------------------------------------------------------------------------------------
@@ -141,7 +114,7 @@ class InDIGOModel(FlexformerModel):
     components = INDIGO_COMPONENTS
 
 
-class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
+class InDIGOForConditionalGeneration(InsertionDecoding, FlexformerForConditionalGeneration):
     """Transformer-InDIGO (Sec. 4): the flexformers backbone with relative-position decoder self-attention and no
     absolute decoder positions, word prediction (Eq. 8) then pointer prediction (Eq. 9), the word + position loss
     (Eq. 10, 11) for pre-defined orders and for searched adaptive orders (SAO, Eq. 12), and insertion decoding
@@ -204,23 +177,35 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
         return logits.log_softmax(-1)
 
     # ---- teacher-forced forward -------------------------------------------------------------------------------
-    def _decoder_states(self, decoder_input_ids, relative_positions, encoder_hidden_states, attention_mask,
-                        past_key_values=None, use_cache=False):
-        outputs = self.model.decoder(
+    def _decoder_outputs(self, decoder_input_ids, relative_positions, encoder_hidden_states, attention_mask,
+                         past_key_values=None, use_cache=False, inputs_embeds=None, **outputs_wanted):
+        """The decoder over insertion-order inputs (ids, or their unscaled embeddings) with their relative positions;
+        `outputs_wanted`: `output_attentions` / `output_hidden_states`."""
+        return self.model.decoder(
             input_ids=decoder_input_ids,
+            inputs_embeds=inputs_embeds,
             encoder_hidden_states=encoder_hidden_states,
             encoder_attention_mask=attention_mask,
             past_key_values=past_key_values,
             use_cache=use_cache,
             relative_positions=relative_positions,
+            **outputs_wanted,
+        )
+
+    def _decoder_states(self, decoder_input_ids, relative_positions, encoder_hidden_states, attention_mask,
+                        past_key_values=None, use_cache=False):
+        outputs = self._decoder_outputs(
+            decoder_input_ids, relative_positions, encoder_hidden_states, attention_mask, past_key_values, use_cache
         )
         return outputs.last_hidden_state, output_cache(outputs)
 
-    def _encode(self, input_ids, attention_mask, encoder_outputs=None):
+    def _encode(self, input_ids, attention_mask, encoder_outputs=None, inputs_embeds=None, **outputs_wanted):
         if encoder_outputs is None:
-            encoder_outputs = self.model.encoder(input_ids=input_ids, attention_mask=attention_mask)
+            encoder_outputs = self.model.encoder(
+                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **outputs_wanted
+            )
         elif not isinstance(encoder_outputs, BaseModelOutput):
-            encoder_outputs = BaseModelOutput(last_hidden_state=encoder_outputs[0])
+            encoder_outputs = BaseModelOutput(*encoder_outputs)
         return encoder_outputs
 
     def insertion_losses(
@@ -288,30 +273,47 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
         use_cache: bool | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
         return_dict: bool | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
         **kwargs,
-    ) -> InDIGOSeq2SeqOutput:
+    ) -> InDIGOSeq2SeqOutput | tuple:
         """Teacher-forced InDIGO.
 
-        - With ``decoder_input_ids`` + ``relative_positions`` (+ ``insertion_labels`` and ``pointer_labels`` for the
-          loss), from :func:`build_insertion_batch` / the collator: the given order.
-        - With only ``labels`` (reading order, ending in ``</s>``, -100 padding): the L2R order.
+        - With ``decoder_input_ids`` (or ``decoder_inputs_embeds``) + ``relative_positions`` (+ ``insertion_labels``
+          and ``pointer_labels`` for the loss), from :func:`build_insertion_batch` / the collator: the given order.
+        - With only ``labels`` (reading order, ending in ``</s>``, -100 padding): the L2R order. ``labels`` with
+          ``decoder_input_ids`` that are the labels shifted right (what ``DataCollatorForSeq2Seq`` adds for any
+          model) is the same; other decoder inputs with ``labels`` but no ``insertion_labels`` are refused.
         - With ``target_ids``/``target_lengths`` and ``model.use_searched_orders``: SAO (Sec. 4.2) — beam search over
           permutations (``model.sao_beam_size``), then the loss averaged over the found orders (Eq. 12).
         The loss is (word loss + position loss) / number of target tokens (``num_items_in_batch`` when given).
+        Attention weights and hidden states are those of the insertion-order decoder inputs.
         """
-        for key in ("cache_position", "position_ids", "decoder_position_ids", "output_attentions",
-                    "output_hidden_states"):
+        for key in ("cache_position", "position_ids", "decoder_position_ids"):
             kwargs.pop(key, None)
         if kwargs:
             raise ValueError(f"InDIGOForConditionalGeneration.forward got unexpected arguments {sorted(kwargs)}")
+        config = self.config
+        return_dict = config.return_dict if return_dict is None else return_dict
+        outputs_wanted = {
+            "output_attentions": config.output_attentions if output_attentions is None else output_attentions,
+            "output_hidden_states": config.output_hidden_states if output_hidden_states is None else output_hidden_states,
+        }
         if attention_mask is None and input_ids is not None:
-            attention_mask = input_ids.ne(self.config.pad_token_id).long()
-        encoder_outputs = self._encode(input_ids, attention_mask, encoder_outputs)
+            attention_mask = input_ids.ne(config.pad_token_id).long()
+        encoder_outputs = self._encode(input_ids, attention_mask, encoder_outputs, inputs_embeds, **outputs_wanted)
         encoder_states = encoder_outputs.last_hidden_state
+        searching = target_ids is not None and self.use_searched_orders
+        has_decoder_inputs = decoder_input_ids is not None or decoder_inputs_embeds is not None
+        if labels is not None and insertion_labels is None and has_decoder_inputs and not searching:
+            self._check_labels_alone(labels, decoder_input_ids, relative_positions)
+            decoder_input_ids = None
 
         searched_orders = searched_scores = None
         order_weights = None
-        if target_ids is not None and self.use_searched_orders:
+        if searching:
             searched_orders, searched_scores = self.search_adaptive_orders(
                 encoder_states, attention_mask, target_ids, target_lengths, beam_size=self.sao_beam_size
             )
@@ -328,23 +330,22 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
             insertion_labels, pointer_labels = batch["insertion_labels"], batch["pointer_labels"]
             encoder_states = encoder_states.repeat_interleave(keep, 0)
             attention_mask = attention_mask.repeat_interleave(keep, 0)
-        elif decoder_input_ids is None:
+        elif decoder_input_ids is None and decoder_inputs_embeds is None:
             if target_ids is None and labels is None:
                 raise ValueError("InDIGO's forward needs decoder_input_ids + relative_positions, labels or target_ids")
-            if target_ids is None:
-                target_ids, target_lengths = self._targets_from_labels(labels)
-            orders = torch.arange(target_ids.shape[1], device=target_ids.device).expand_as(target_ids).contiguous()
-            batch = build_insertion_batch(target_ids, target_lengths, orders, **self._special_ids())
+            batch = self.insertion_batch_from_labels(labels, target_ids, target_lengths)
             decoder_input_ids = batch["decoder_input_ids"]
             relative_positions = batch["relative_positions"]
             insertion_labels, pointer_labels = batch["insertion_labels"], batch["pointer_labels"]
         if relative_positions is None:
             raise ValueError("InDIGO's forward needs relative_positions with decoder_input_ids (see build_insertion_batch)")
 
-        hidden_states, cache = self._decoder_states(
+        decoder_outputs = self._decoder_outputs(
             decoder_input_ids, relative_positions, encoder_states, attention_mask,
             past_key_values=past_key_values, use_cache=bool(use_cache) and insertion_labels is None,
+            inputs_embeds=decoder_inputs_embeds, **outputs_wanted,
         )
+        hidden_states, cache = decoder_outputs.last_hidden_state, output_cache(decoder_outputs)
         loss = word_part = position_part = logits = pointer_log_probs = None
         if insertion_labels is not None:
             if pointer_labels is None:
@@ -365,17 +366,53 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
             loss = word_part + position_part
         else:
             logits = self.word_logits(hidden_states)
-        return InDIGOSeq2SeqOutput(
+        output = InDIGOSeq2SeqOutput(
             loss=loss,
             logits=logits,
             pointer_logits=pointer_log_probs,
             word_loss=word_part,
             position_loss=position_part,
             **cache_field(cache),
-            decoder_hidden_states=(hidden_states,),
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_attentions=encoder_outputs.attentions,
             searched_orders=searched_orders,
             searched_scores=searched_scores,
+        )
+        return output if return_dict else output.to_tuple()
+
+    def insertion_batch_from_labels(
+        self, labels: torch.Tensor | None, target_ids: torch.Tensor | None = None, target_lengths=None
+    ) -> dict[str, torch.Tensor]:
+        """The left-to-right insertion batch (:func:`build_insertion_batch`: ``decoder_input_ids``,
+        ``relative_positions``, ``insertion_labels``, ``pointer_labels``, ``decoder_attention_mask``) of reading-order
+        ``labels`` (``w_1 .. w_n </s>``, -100 or pad padding), or of ``target_ids`` / ``target_lengths``."""
+        if target_ids is None:
+            target_ids, target_lengths = self._targets_from_labels(labels)
+        orders = torch.arange(target_ids.shape[1], device=target_ids.device).expand_as(target_ids).contiguous()
+        return build_insertion_batch(target_ids, target_lengths, orders, **self._special_ids())
+
+    def _check_labels_alone(self, labels, decoder_input_ids, relative_positions) -> None:
+        """``labels`` with ``decoder_input_ids`` but no insertion labels: train on the labels alone when the decoder
+        inputs are the labels shifted right (a standard sequence-to-sequence batch), else refuse, naming what
+        InDIGO needs."""
+        if (
+            relative_positions is None
+            and decoder_input_ids is not None
+            and decoder_input_ids.shape == labels.shape
+            and torch.equal(decoder_input_ids, self.prepare_decoder_input_ids_from_labels(labels))
+        ):
+            return
+        raise ValueError(
+            "InDIGO's forward got labels with decoder inputs of their own but no insertion_labels: InDIGO trains on "
+            "insertions. Pass labels alone (reading order; their left-to-right insertion batch is built, as it is "
+            "when decoder_input_ids are the labels shifted right, e.g. from DataCollatorForSeq2Seq), or a whole "
+            "insertion batch: decoder_input_ids, relative_positions, insertion_labels and pointer_labels "
+            "(build_insertion_batch, or the InDIGO collator of flexformers-train), or target_ids and target_lengths "
+            "for searched orders."
         )
 
     def _special_ids(self) -> dict[str, int]:
@@ -571,312 +608,6 @@ class InDIGOForConditionalGeneration(FlexformerForConditionalGeneration):
         ranking = final.argsort(dim=-1, descending=True)
         orders = orders.view(batch, beams, max_len).gather(1, ranking[..., None].expand(-1, -1, max_len))
         return orders, final.gather(1, ranking)
-
-    # ---- Insertion decoding (Algorithm 1, Sec. 4.3) ------------------------------------------------------------
-    def _decoding_word_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        """Eq. 8 logits for decoding; ``<s>``, ``</s>`` and ``<pad>`` are never inserted (training never predicts
-        them), so they are masked."""
-        logits = self.word_logits(last_hidden).float()
-        config = self.config
-        logits[:, [config.bos_token_id, config.eos_token_id, config.pad_token_id]] = float("-inf")
-        return logits
-
-    def _decode_step(self, tokens, relation_rows, encoder_states, encoder_mask, cache, state: InsertionState):
-        hidden, cache = self._decoder_states(tokens, relation_rows, encoder_states, encoder_mask, cache, True)
-        left, right = self.pointer_keys(hidden)
-        state.store_keys(left, right)
-        return hidden[:, -1], cache
-
-    def _position_log_probs(self, query, state: InsertionState):
-        """Log-probabilities of inserting at each gap (``[b, c, n-1]``, Eq. 11) and, per gap, the slot (anchor,
-        side) that realises it: right of the word at reading position g-1."""
-        n = state.length
-        slot = self.slot_log_probs(query, state.left_keys[:, :n], state.right_keys[:, :n])
-        reading = reading_order_from_positions(state.positions())
-        reading_c = reading[:, None, :].expand(-1, slot.shape[1], -1)
-        if self.config.pointer_decision == "position":
-            gaps = gap_log_probs(slot, reading_c)
-        else:
-            # Algorithm 1 verbatim: the best single slot decides; score the gap by that slot's probability.
-            gaps = torch.maximum(
-                slot[..., n:].gather(-1, reading_c[..., :-1]), slot[..., :n].gather(-1, reading_c[..., 1:])
-            )
-        return gaps, reading
-
-    def _prepare_generation(self, input_ids, attention_mask, generation_config, kwargs):
-        for key in ("labels", "insertion_labels", "pointer_labels", "relative_positions", "decoder_input_ids",
-                    "decoder_attention_mask", "target_ids", "target_lengths", "synced_gpus", "streamer",
-                    "num_items_in_batch"):
-            kwargs.pop(key, None)
-        encoder_outputs = kwargs.pop("encoder_outputs", None)
-        generation_config, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
-        unknown = sorted(k for k in model_kwargs if k not in ("use_cache", "output_attentions", "output_hidden_states"))
-        if unknown:
-            raise ValueError(f"InDIGO generate() got unexpected arguments {unknown}")
-        if generation_config.cache_implementation not in (None, "dynamic"):
-            raise ValueError(
-                f"InDIGO generate() keeps its own insertion-decoding state (pointer keys, relative positions that "
-                f"change as words are inserted); cache_implementation={generation_config.cache_implementation!r} "
-                "is not supported"
-            )
-        if input_ids is None and encoder_outputs is None:
-            raise ValueError("generate() needs input_ids (or encoder_outputs)")
-        if attention_mask is None and input_ids is not None:
-            attention_mask = input_ids.ne(self.config.pad_token_id).long()
-        return generation_config, encoder_outputs, attention_mask
-
-    @torch.no_grad()
-    def generate(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        generation_config: GenerationConfig | None = None,
-        logits_processor: LogitsProcessorList | None = None,
-        return_insertion_trace: bool = False,
-        **kwargs,
-    ):
-        """Algorithm 1 with greedy decoding, sampling (``do_sample``) or the two-step beam search of Sec. 4.3
-        (``num_beams > 1``: top-B words per hypothesis, then every position for each, keep the best B; scores
-        normalised by ``length ** length_penalty``).
-
-        Honours ``max_new_tokens`` (insertions, ``<eod>`` included; default ``max_length - 2``),
-        ``num_beams``, ``num_return_sequences``, ``do_sample``/``temperature``/``top_k``/``top_p`` and other logits
-        processors (applied to the word distribution; ``<eod>`` plays the EOS role for e.g. ``min_new_tokens``),
-        ``length_penalty``, ``early_stopping``, ``output_scores`` and ``return_dict_in_generate``. Returns the
-        sequences in reading order (``<s> … </s>``, padded), or an :class:`InDIGOGenerateOutput`; with
-        ``return_insertion_trace=True`` the output is always the dataclass with ``insertion_trace`` filled in.
-        """
-        check_generate_arguments(self, input_ids, generation_config, kwargs)
-        generation_config, encoder_outputs, attention_mask = self._prepare_generation(
-            input_ids, attention_mask, generation_config, kwargs
-        )
-        config = self.config
-        generation_config.eos_token_id = config.eod_token_id
-        generation_config.forced_eos_token_id = None
-        generation_config.forced_bos_token_id = None
-        if generation_config.max_new_tokens is not None:
-            max_steps = generation_config.max_new_tokens
-        else:
-            max_steps = max(generation_config.max_length - 2, 1)
-        max_steps = min(max_steps, config.max_target_positions)
-        num_beams = generation_config.num_beams or 1
-        num_return = generation_config.num_return_sequences or 1
-        if num_beams > 1 and generation_config.do_sample:
-            raise ValueError("InDIGO generate(): beam sampling (num_beams > 1 with do_sample=True) is not implemented")
-        if num_return > num_beams and not generation_config.do_sample:
-            raise ValueError(
-                f"num_return_sequences={num_return} needs do_sample=True or num_beams >= {num_return} (got {num_beams})"
-            )
-        encoder_states = self._encode(input_ids, attention_mask, encoder_outputs).last_hidden_state
-        self._prepare_special_tokens(generation_config, True, device=encoder_states.device)
-        processors = self._get_logits_processor(
-            generation_config=generation_config,
-            input_ids_seq_length=2,
-            encoder_input_ids=input_ids,
-            logits_processor=logits_processor,
-            device=encoder_states.device,
-        )
-        with_trace = return_insertion_trace or bool(generation_config.return_dict_in_generate)
-        if num_beams > 1:
-            result = self._beam_search(encoder_states, attention_mask, generation_config, processors, max_steps,
-                                       with_trace)
-        else:
-            if num_return > 1:
-                encoder_states = encoder_states.repeat_interleave(num_return, 0)
-                attention_mask = attention_mask.repeat_interleave(num_return, 0) if attention_mask is not None else None
-            result = self._greedy_or_sample(encoder_states, attention_mask, generation_config, processors, max_steps,
-                                            with_trace)
-        if return_insertion_trace or generation_config.return_dict_in_generate:
-            return result
-        return result.sequences
-
-    def _new_state(self, rows, max_steps, encoder_states) -> InsertionState:
-        config = self.config
-        return InsertionState(
-            rows, max_steps + 2, config.decoder_embed_dim, encoder_states.device, encoder_states.dtype,
-            config.bos_token_id, config.eos_token_id, config.pad_token_id,
-        )
-
-    def _start(self, state, encoder_states, encoder_mask):
-        cache = new_decoder_cache(self.config)
-        last, cache = self._decode_step(
-            state.tokens[:, :2], state.current_relations(), encoder_states, encoder_mask, cache, state
-        )
-        return last, cache
-
-    def _greedy_or_sample(self, encoder_states, encoder_mask, generation_config, processors, max_steps, with_trace):
-        config = self.config
-        rows = encoder_states.shape[0]
-        device = encoder_states.device
-        state = self._new_state(rows, max_steps, encoder_states)
-        last, cache = self._start(state, encoder_states, encoder_mask)
-        finished = torch.zeros(rows, dtype=torch.bool, device=device)
-        lengths = torch.full((rows,), 2, dtype=torch.long, device=device)
-        total_log_prob = torch.zeros(rows, device=device)
-        step_scores = []
-        for _ in range(max_steps):
-            logits = self._decoding_word_logits(last)
-            scores = processors(state.tokens[:, : state.length], logits)
-            if generation_config.output_scores:
-                step_scores.append(scores)
-            if generation_config.do_sample:
-                words = torch.multinomial(scores.softmax(-1), 1).squeeze(1)
-            else:
-                words = scores.argmax(-1)
-            words = words.masked_fill(finished, config.pad_token_id)
-            if with_trace:  # sequences_scores are only returned with the dict output
-                word_log_prob = scores.log_softmax(-1).gather(1, words[:, None]).squeeze(1)
-                total_log_prob += torch.where(finished, 0.0, word_log_prob)
-            finished = finished | words.eq(config.eod_token_id)
-            if bool(finished.all()):
-                break
-            gaps, reading = self._position_log_probs(self.pointer_query(last, words)[:, None, :], state)
-            gaps = gaps[:, 0]
-            if generation_config.do_sample:
-                gap = torch.multinomial(gaps.exp().clamp(min=0), 1).squeeze(1)
-            else:
-                gap = gaps.argmax(-1)
-            if with_trace:
-                total_log_prob += torch.where(finished, 0.0, gaps.gather(1, gap[:, None]).squeeze(1))
-            anchors = reading.gather(1, gap[:, None]).squeeze(1)
-            sides = torch.full_like(anchors, RIGHT)
-            tokens = torch.where(finished, config.pad_token_id, words)
-            lengths += (~finished).long()
-            relation_row = state.insert(tokens, anchors, sides)
-            last, cache = self._decode_step(tokens[:, None], relation_row, encoder_states, encoder_mask, cache, state)
-        return self._finalize(state.tokens, state.relations, state.anchors, state.sides, lengths, total_log_prob,
-                              tuple(step_scores) if step_scores else None, with_trace)
-
-    def _beam_search(self, encoder_states, encoder_mask, generation_config, processors, max_steps, with_trace):
-        config = self.config
-        batch = encoder_states.shape[0]
-        beams = generation_config.num_beams
-        rows = batch * beams
-        device = encoder_states.device
-        length_penalty = generation_config.length_penalty if generation_config.length_penalty is not None else 1.0
-        early_stopping = generation_config.early_stopping
-        num_return = generation_config.num_return_sequences or 1
-        encoder_states = encoder_states.repeat_interleave(beams, 0)
-        encoder_mask = encoder_mask.repeat_interleave(beams, 0) if encoder_mask is not None else None
-        state = self._new_state(rows, max_steps, encoder_states)
-        last, cache = self._start(state, encoder_states, encoder_mask)
-        beam_scores = torch.full((batch, beams), float("-inf"), device=device)
-        beam_scores[:, 0] = 0.0
-        beam_scores = beam_scores.view(-1)
-        finished: list[list[tuple]] = [[] for _ in range(batch)]
-        done = [False] * batch
-        offsets = torch.arange(batch, device=device).repeat_interleave(beams) * beams
-        dim = last.shape[-1]
-
-        def snapshot(row: int, score: float, generated: int) -> tuple:
-            """(length-normalised score, raw score, tokens, relations, anchors, sides) of one hypothesis."""
-            n = state.length
-            return (score / generated**length_penalty, score, state.tokens[row, :n].clone(),
-                    state.relations[row, :n, :n].clone(), state.anchors[row, :n].clone(), state.sides[row, :n].clone())
-
-        for _ in range(max_steps):
-            logits = self._decoding_word_logits(last)
-            word_log_probs = processors(state.tokens[:, : state.length], logits.log_softmax(-1)).log_softmax(-1)
-            # Step 1 of the two-step search (Sec. 4.3): the best `beams` words of every hypothesis ...
-            top_word_scores, top_words = word_log_probs.topk(beams, dim=-1)
-            is_eod = top_words.eq(config.eod_token_id)
-            # ... step 2: every position for each of them; keep the best `beams` (word, position) per sentence.
-            query = self.pointer_query(last[:, None, :].expand(-1, beams, dim), top_words)
-            gaps, reading = self._position_log_probs(query, state)  # [rows, beams, n-1]
-            n_gaps = gaps.shape[-1]
-            candidate = (beam_scores[:, None, None] + top_word_scores[..., None] + gaps).masked_fill(
-                is_eod[..., None], float("-inf")
-            )
-            top_scores, top_index = candidate.view(batch, beams * beams * n_gaps).topk(beams, dim=-1)
-            # An <eod> that would enter the beam ends its hypothesis (Algorithm 1's break).
-            eod_scores = (beam_scores[:, None] + top_word_scores).masked_fill(~is_eod, float("-inf")).view(batch, -1)
-            entering = torch.isfinite(eod_scores) & (eod_scores >= top_scores[:, -1:])
-            for sentence, flat in torch.nonzero(entering).tolist():
-                if done[sentence]:
-                    continue
-                row = sentence * beams + flat // beams
-                finished[sentence].append(snapshot(row, float(eod_scores[sentence, flat]), state.length - 1))
-            for sentence in range(batch):
-                if done[sentence]:
-                    continue
-                finished[sentence].sort(key=lambda item: -item[0])
-                del finished[sentence][beams:]
-                if len(finished[sentence]) >= beams:
-                    if early_stopping is True:
-                        done[sentence] = True
-                    elif early_stopping != "never":  # HF's heuristic: the best live hypothesis cannot win
-                        best_live = float(top_scores[sentence, 0]) / (state.length - 1) ** length_penalty
-                        done[sentence] = best_live <= finished[sentence][-1][0]
-            if all(done):
-                break
-            origin = (top_index // (beams * n_gaps)).view(-1) + offsets
-            word_slot = ((top_index // n_gaps) % beams).view(-1)
-            gap = (top_index % n_gaps).view(-1, 1)
-            words = top_words[origin, word_slot]
-            anchors = reading[origin].gather(1, gap).squeeze(1)
-            beam_scores = top_scores.view(-1).masked_fill(
-                torch.tensor(done, device=device).repeat_interleave(beams), float("-inf")
-            )
-            cache.reorder_cache(origin)
-            state.reorder(origin)
-            relation_row = state.insert(words, anchors, torch.full_like(anchors, RIGHT))
-            last, cache = self._decode_step(words[:, None], relation_row, encoder_states, encoder_mask, cache, state)
-        selected = []
-        for sentence in range(batch):
-            pool = list(finished[sentence])
-            if len(pool) < num_return:  # ran out of steps: complete with the live hypotheses
-                for beam in range(beams):
-                    row = sentence * beams + beam
-                    if math.isfinite(float(beam_scores[row].detach())):
-                        pool.append(snapshot(row, float(beam_scores[row]), state.length - 2))
-                pool.sort(key=lambda item: -item[0])
-            selected.extend(pool[:num_return])
-        width = max(len(item[2]) for item in selected)
-        count = len(selected)
-        tokens = torch.full((count, width), config.pad_token_id, dtype=torch.long, device=device)
-        relations = torch.zeros(count, width, width, dtype=torch.int8, device=device)
-        anchors = torch.full((count, width), -1, dtype=torch.long, device=device)
-        sides = torch.zeros(count, width, dtype=torch.long, device=device)
-        lengths = torch.zeros(count, dtype=torch.long, device=device)
-        for index, (_, _, hyp_tokens, hyp_relations, hyp_anchors, hyp_sides) in enumerate(selected):
-            n = len(hyp_tokens)
-            tokens[index, :n], relations[index, :n, :n] = hyp_tokens, hyp_relations
-            anchors[index, :n], sides[index, :n], lengths[index] = hyp_anchors, hyp_sides, n
-        scores = torch.tensor([item[0] for item in selected], device=device)
-        return self._finalize(tokens, relations, anchors, sides, lengths, scores, None, with_trace)
-
-    # ---- outputs --------------------------------------------------------------------------------------------
-    def _finalize(self, tokens, relations, anchors, sides, lengths, scores, step_scores, with_trace):
-        """Algorithm 1's last lines: absolute positions (Eq. 4) of the real words, reorder into reading order."""
-        width = int(lengths.max())
-        tokens, anchors, sides = tokens[:, :width], anchors[:, :width], sides[:, :width]
-        relations = relations[:, :width, :width]
-        index = torch.arange(width, device=tokens.device)
-        valid = index[None, :] < lengths[:, None]
-        relations = relations * (valid[:, :, None] & valid[:, None, :]).to(relations.dtype)
-        positions = absolute_positions_from_relative(relations)
-        reading = torch.where(valid, positions, width + index).argsort(-1)
-        sequences = tokens.gather(1, reading).masked_fill(~valid, self.config.pad_token_id)
-        insertion_ids = tokens.masked_fill(~valid, self.config.pad_token_id)
-        traces = None
-        if with_trace:
-            traces = []
-            for row in range(tokens.shape[0]):
-                trace = []
-                for step in range(2, int(lengths[row])):
-                    position = absolute_positions_from_relative(relations[row, step, : step + 1])
-                    trace.append((int(tokens[row, step]), int(anchors[row, step]),
-                                  "left" if int(sides[row, step]) == LEFT else "right", int(position)))
-                traces.append(trace)
-        return InDIGOGenerateOutput(
-            sequences=sequences,
-            sequences_scores=scores,
-            scores=step_scores,
-            insertion_ids=insertion_ids,
-            relative_positions=relations,
-            insertion_trace=traces,
-        )
-
 
 __all__ = [
     "InDIGOForConditionalGeneration",

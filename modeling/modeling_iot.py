@@ -20,7 +20,11 @@ from transformers.generation.utils import (
     GenerateBeamEncoderDecoderOutput,
     GenerateEncoderDecoderOutput,
 )
-from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    BaseModelOutputWithPastAndCrossAttentions,
+    Seq2SeqLMOutput,
+)
 
 from flexformers.configuration.configuration_iot import IOTConfig
 
@@ -40,6 +44,7 @@ from .iot_equations import (
 from .modeling_flexformer import (
     BackboneComponents,
     FlexformerAttention,
+    FlexformerDecoderLayer,
     FlexformerForConditionalGeneration,
     FlexformerModel,
 )
@@ -122,26 +127,19 @@ class IOTGenerateBeamEncoderDecoderOutput(GenerateBeamEncoderDecoderOutput):
 
 class IOTCrossAttention(FlexformerAttention):
     """The decoder's encoder-attention, able to serve the M·N stacked order paths of IOT training from the M
-    encoder outputs: the keys/values of the encoder states are projected once per forward and shared by every
-    decoder-order path (row r of the stacked batch uses encoder row ``r mod (M·b)``), instead of N identical
-    projections. Outside stacked training (``path_repeats == 1``) it is the backbone's attention unchanged."""
+    encoder outputs: the keys/values of the encoder states, projected once per block call (``IOTDecoderLayer``), are
+    shared by every decoder-order path (row r of the stacked batch uses encoder row ``r mod (M·b)``), instead of N
+    identical projections. Outside stacked training (``path_repeats == 1``) it is the backbone's attention."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.path_repeats = 1
-        self._shared_key_value: tuple | None = None
-
-    def _cross_key_value(self, encoder_states, past_key_values, rows):
-        if self.path_repeats == 1 or past_key_values is not None:
+    def _cross_key_value(
+        self, encoder_states, past_key_values, rows, path_repeats: int = 1, shared_key_value=None, **kwargs
+    ):
+        if path_repeats == 1 or past_key_values is not None:
             return super()._cross_key_value(encoder_states, past_key_values, rows)
-        shared = self._shared_key_value
-        if shared is None or shared[0] is not encoder_states:
-            shared = (encoder_states, *self.project_key_value(encoder_states))
-            self._shared_key_value = shared
-        _, keys, values = shared
+        keys, values = shared_key_value if shared_key_value is not None else self.project_key_value(encoder_states)
         base = keys.shape[0]
         if rows is None:
-            return keys.repeat(self.path_repeats, 1, 1, 1), values.repeat(self.path_repeats, 1, 1, 1)
+            return keys.repeat(path_repeats, 1, 1, 1), values.repeat(path_repeats, 1, 1, 1)
         if isinstance(rows, slice):
             if rows.start // base == (rows.stop - 1) // base:  # inside one path block: a view
                 start = rows.start % base
@@ -151,12 +149,38 @@ class IOTCrossAttention(FlexformerAttention):
         return keys.index_select(0, source_rows), values.index_select(0, source_rows)
 
 
+class IOTDecoderLayer(FlexformerDecoderLayer):
+    """The backbone's decoder block. In stacked training (``path_repeats`` = N > 1 decoder-order paths stacked along
+    the batch, all reading the same M·b encoder states) it projects the encoder states to the cross-attention's
+    keys/values once per call, for every sub-layer call of the block (``IOTCrossAttention``). The projection and
+    ``path_repeats`` are the call's own: a checkpointed block recomputes exactly them in the backward pass."""
+
+    def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, **kwargs):
+        if kwargs.get("path_repeats", 1) > 1 and isinstance(self.encoder_attn, IOTCrossAttention):
+            kwargs["shared_key_value"] = self.encoder_attn.project_key_value(encoder_hidden_states)
+        return super().forward(hidden_states, attention_mask, encoder_hidden_states, **kwargs)
+
+
+IOT_COMPONENTS = BackboneComponents(cross_attention=IOTCrossAttention, decoder_layer=IOTDecoderLayer)
+
+
 class IOTModel(FlexformerModel):
     """The IOT encoder-decoder without LM head (``AutoModel``); the order predictors live on
     :class:`IOTForConditionalGeneration`."""
 
     config_class = IOTConfig
-    components = BackboneComponents(cross_attention=IOTCrossAttention)
+    components = IOT_COMPONENTS
+
+
+_PER_BLOCK_FIELDS = ("hidden_states", "attentions", "cross_attentions")
+
+
+def _cat_rows(per_part: list[tuple | None], stack: bool = False) -> tuple | None:
+    """Per-block tensors of several parts (row blocks, or with ``stack`` alternatives along a new dimension 1) → one
+    tuple of per-block tensors; None when the parts have none."""
+    if per_part[0] is None:
+        return None
+    return tuple(torch.stack(block, dim=1) if stack else torch.cat(block, dim=0) for block in zip(*per_part))
 
 
 def _reorder_rows(value, sentence_positions: torch.Tensor, batch_size: int):
@@ -267,21 +291,29 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
 
     def encode_with_orders(
         self,
-        input_ids: torch.LongTensor,
+        input_ids: torch.LongTensor | None,
         attention_mask: torch.Tensor | None = None,
         encoder_order: int | None = None,
         decoder_order: int | None = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> IOTEncoderOutput:
         """Choose each sentence's encoder order (Eq. 4 on Eq. 1's logits), run the encoder once, then choose the
         decoder order (Eq. 4 on Eq. 2's logits). ``encoder_order`` / ``decoder_order`` (paper codes) force one
-        order for every sentence."""
+        order for every sentence. Instead of ``input_ids``, ``inputs_embeds`` (their unscaled token embeddings, what
+        Eq. 1's predictor reads) with ``attention_mask`` marking the padding."""
         config = self.config
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("IOT's encoder takes exactly one of input_ids and inputs_embeds")
+        source = input_ids if input_ids is not None else inputs_embeds
         if attention_mask is None:
-            attention_mask = input_ids.ne(config.pad_token_id).long()
-        batch = input_ids.shape[0]
-        device = input_ids.device
+            attention_mask = (
+                input_ids.ne(config.pad_token_id).long() if input_ids is not None
+                else source.new_ones(source.shape[:2], dtype=torch.long)
+            )
+        batch = source.shape[0]
+        device = source.device
         encoder = self.get_encoder()
         fixed_encoder = self._fixed_index(
             config.encoder_orders, encoder_order, None if config.uses_predictor else config.inference_encoder_order,
@@ -292,7 +324,8 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
             if self.encoder_order_predictor is None:
                 fixed_encoder = 0
             else:
-                logits = self.encoder_order_predictor(encoder.embed_tokens(input_ids), attention_mask)
+                token_embeddings = encoder.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+                logits = self.encoder_order_predictor(token_embeddings, attention_mask)
                 encoder_probs = torch.softmax(logits, dim=-1)
                 encoder_index = logits.argmax(dim=-1)
         if fixed_encoder is not None:
@@ -300,6 +333,7 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
         encoder_outputs = encoder(
             input_ids=input_ids,
             attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
             sublayer_order=self._sublayer_order(encoder_index, config.encoder_sublayer_orders, fixed_encoder),
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
@@ -387,25 +421,28 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
             kwargs.pop(key, None)
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
-        if self.training and labels is not None and encoder_outputs is None and past_key_values is None:
-            if input_ids is None:
-                raise ValueError("IOT training needs input_ids (the encoder predictor reads the token embeddings)")
-            output = self._forward_all_paths(
-                input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, labels, num_items_in_batch
-            )
-            return output if return_dict else output.to_tuple()
-        if labels is not None:
-            use_cache = False
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
+        if self.training and labels is not None and encoder_outputs is None and past_key_values is None:
+            if input_ids is None and inputs_embeds is None:
+                raise ValueError("IOT training needs input_ids or inputs_embeds (the encoder predictor reads the "
+                                 "token embeddings)")
+            output = self._forward_all_paths(
+                input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, labels, num_items_in_batch,
+                inputs_embeds, decoder_inputs_embeds, output_attentions, output_hidden_states,
+            )
+            return output if return_dict else output.to_tuple()
+        if labels is not None:
+            use_cache = False
         if encoder_outputs is None:
-            if input_ids is None:
-                raise ValueError("pass input_ids (IOT chooses orders from the tokens) or encoder_outputs")
+            if input_ids is None and inputs_embeds is None:
+                raise ValueError("pass input_ids or inputs_embeds (IOT chooses orders from the token embeddings) "
+                                 "or encoder_outputs")
             encoder_outputs = self.encode_with_orders(
                 input_ids, attention_mask, output_attentions=output_attentions,
-                output_hidden_states=output_hidden_states,
+                output_hidden_states=output_hidden_states, inputs_embeds=inputs_embeds,
             )
         elif not isinstance(encoder_outputs, IOTEncoderOutput) or encoder_outputs.decoder_order_index is None:
             encoder_outputs = self._with_decoder_orders(encoder_outputs, attention_mask, input_ids)
@@ -467,36 +504,47 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
         )
 
     def _forward_all_paths(
-        self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, labels, num_items_in_batch
+        self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, labels, num_items_in_batch,
+        inputs_embeds=None, decoder_inputs_embeds=None, output_attentions=False, output_hidden_states=False,
     ) -> IOTSeq2SeqLMOutput:
         """Training over every encoder×decoder order path (Eq. 1–3, 5–7).
 
         The encoder runs once per encoder order. The decoder runs *once* for all M·N paths: the batch is repeated
         path-major (row ``(n·M + m)·b + i`` is sentence i on encoder order m and decoder order n), so each decoder
         order is a contiguous block of rows, and one ``PerRowSublayerOrder`` runs each sub-layer per stage for the
-        rows that need it.
+        rows that need it. Attention weights and hidden states are those of each sentence's chosen path.
         """
         config = self.config
+        source = input_ids if input_ids is not None else inputs_embeds
         if attention_mask is None:
-            attention_mask = input_ids.ne(config.pad_token_id).long()
-        batch = input_ids.shape[0]
+            attention_mask = (
+                input_ids.ne(config.pad_token_id).long() if input_ids is not None
+                else source.new_ones(source.shape[:2], dtype=torch.long)
+            )
+        batch = source.shape[0]
+        device = source.device
         num_enc, num_dec = config.num_encoder_orders, config.num_decoder_orders
         tau_e, tau_d = self.gumbel_temperatures()
         clamp = config.order_prob_clamp
         encoder = self.get_encoder()
-        equal_weights = not config.uses_predictor
+        outputs_wanted = {"output_attentions": output_attentions, "output_hidden_states": output_hidden_states}
 
         encoder_probs = None
         if self.encoder_order_predictor is not None:
-            logits = self.encoder_order_predictor(encoder.embed_tokens(input_ids), attention_mask)
+            token_embeddings = encoder.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            logits = self.encoder_order_predictor(token_embeddings, attention_mask)
             encoder_conf, encoder_probs = gumbel_softmax_confidences(logits, tau_e, clamp)
         else:
-            encoder_conf = torch.ones(batch, num_enc, device=input_ids.device)
+            encoder_conf = torch.ones(batch, num_enc, device=device)
 
-        encoder_states = [
-            encoder(input_ids=input_ids, attention_mask=attention_mask, sublayer_order=order).last_hidden_state
+        encoder_outputs = [
+            encoder(
+                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, sublayer_order=order,
+                **outputs_wanted,
+            )
             for order in config.encoder_sublayer_orders
         ]
+        encoder_states = [outputs.last_hidden_state for outputs in encoder_outputs]
 
         decoder_probs = None
         if self.decoder_order_predictor is not None:
@@ -509,61 +557,54 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
             decoder_conf = torch.stack(confidences, dim=1)  # [b, M, N]
             decoder_probs = torch.stack(probabilities, dim=1)
         else:
-            decoder_conf = torch.ones(batch, num_enc, num_dec, device=input_ids.device)
+            decoder_conf = torch.ones(batch, num_enc, num_dec, device=device)
 
         paths = num_enc * num_dec
         decoder = self.get_decoder()
         # Row blocks are laid out decoder-order-major in `decoder_row_arrangement` (block j = candidate arrangement[j]).
         arrangement = self.decoder_row_arrangement
-        position = torch.empty(num_dec, dtype=torch.long, device=input_ids.device)
-        position[torch.tensor(arrangement, device=input_ids.device)] = torch.arange(num_dec, device=input_ids.device)
+        position = torch.empty(num_dec, dtype=torch.long, device=device)
+        position[torch.tensor(arrangement, device=device)] = torch.arange(num_dec, device=device)
         if config.batch_order_paths and paths > 1:
             stacked_states = torch.cat(encoder_states, dim=0) if num_enc > 1 else encoder_states[0]
             if num_dec > 1:
-                order_index = torch.tensor(arrangement, device=input_ids.device).repeat_interleave(num_enc * batch)
+                order_index = torch.tensor(arrangement, device=device).repeat_interleave(num_enc * batch)
                 decoder_order = PerRowSublayerOrder(order_index, config.decoder_sublayer_orders)
             else:
                 decoder_order = config.decoder_sublayer_orders[0]
             # The N decoder-order paths share the encoder states: their cross-attention keys/values are projected
-            # once (IOTCrossAttention with path_repeats = N), not once per path.
-            cross_attentions = [
-                layer.encoder_attn for layer in decoder.layers if isinstance(layer.encoder_attn, IOTCrossAttention)
-            ]
-            if len(cross_attentions) != len(decoder.layers):
-                stacked_states = stacked_states.repeat(num_dec, 1, 1)
-            for attention in cross_attentions:
-                attention.path_repeats = num_dec
-            try:
-                decoder_outputs = decoder(
-                    input_ids=decoder_input_ids.repeat(paths, 1),
-                    attention_mask=(
-                        None if decoder_attention_mask is None else decoder_attention_mask.repeat(paths, 1)
-                    ),
-                    encoder_hidden_states=stacked_states,
-                    encoder_attention_mask=attention_mask.repeat(paths, 1),
-                    sublayer_order=decoder_order,
-                )
-            finally:
-                for attention in cross_attentions:
-                    attention.path_repeats = 1
-                    attention._shared_key_value = None
+            # once per block (IOTDecoderLayer / IOTCrossAttention with path_repeats = N), not once per path.
+            path_repeats = num_dec
+            if not all(isinstance(layer.encoder_attn, IOTCrossAttention) for layer in decoder.layers):
+                stacked_states, path_repeats = stacked_states.repeat(num_dec, 1, 1), 1
+            decoder_outputs = decoder(
+                input_ids=None if decoder_input_ids is None else decoder_input_ids.repeat(paths, 1),
+                inputs_embeds=None if decoder_inputs_embeds is None else decoder_inputs_embeds.repeat(paths, 1, 1),
+                attention_mask=None if decoder_attention_mask is None else decoder_attention_mask.repeat(paths, 1),
+                encoder_hidden_states=stacked_states,
+                encoder_attention_mask=attention_mask.repeat(paths, 1),
+                sublayer_order=decoder_order,
+                path_repeats=path_repeats,
+                **outputs_wanted,
+            )
             logits = self.lm_head(decoder_outputs.last_hidden_state)  # [paths·b, t, V]
         else:  # one decoder pass per path, in the same path-major row layout
-            logits = torch.cat(
-                [
-                    self.lm_head(
-                        decoder(
-                            input_ids=decoder_input_ids,
-                            attention_mask=decoder_attention_mask,
-                            encoder_hidden_states=states,
-                            encoder_attention_mask=attention_mask,
-                            sublayer_order=decoder_order,
-                        ).last_hidden_state
-                    )
-                    for decoder_order in [config.decoder_sublayer_orders[n] for n in arrangement]
-                    for states in encoder_states
-                ],
-                dim=0,
+            per_path = [
+                decoder(
+                    input_ids=decoder_input_ids,
+                    inputs_embeds=decoder_inputs_embeds,
+                    attention_mask=decoder_attention_mask,
+                    encoder_hidden_states=states,
+                    encoder_attention_mask=attention_mask,
+                    sublayer_order=decoder_order,
+                    **outputs_wanted,
+                )
+                for decoder_order in [config.decoder_sublayer_orders[n] for n in arrangement]
+                for states in encoder_states
+            ]
+            logits = torch.cat([self.lm_head(outputs.last_hidden_state) for outputs in per_path], dim=0)
+            decoder_outputs = BaseModelOutputWithPastAndCrossAttentions(
+                **{name: _cat_rows([getattr(outputs, name) for outputs in per_path]) for name in _PER_BLOCK_FIELDS}
             )
         nll, smooth = sentence_label_smoothed_losses(logits, labels.repeat(paths, 1), config.label_smoothing)
         # [paths·b] (arrangement-major) → [b, M, N] (candidate order)
@@ -602,25 +643,48 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
         if encoder_probs is not None:
             encoder_choice = encoder_probs.argmax(dim=-1)
         else:
-            encoder_choice = torch.zeros(batch, dtype=torch.long, device=input_ids.device)
+            encoder_choice = torch.zeros(batch, dtype=torch.long, device=device)
         if decoder_probs is not None:
             decoder_choice_all = decoder_probs.argmax(dim=-1)  # [b, M]
             decoder_choice = decoder_choice_all.gather(1, encoder_choice[:, None]).squeeze(1)
         else:
-            decoder_choice_all = torch.zeros(batch, num_enc, dtype=torch.long, device=input_ids.device)
+            decoder_choice_all = torch.zeros(batch, num_enc, dtype=torch.long, device=device)
             decoder_choice = decoder_choice_all[:, 0]
-        rows = (position[decoder_choice] * num_enc + encoder_choice) * batch + torch.arange(batch, device=input_ids.device)
+        sentences = torch.arange(batch, device=device)
+        rows = (position[decoder_choice] * num_enc + encoder_choice) * batch + sentences
         tokens_per_path = local_tokens.clamp(min=1).to(torch.float32)
         path_token_losses = (path_losses.detach().sum(dim=0) / tokens_per_path)  # [M, N]
         self._accumulate_order_statistics(
             path_token_losses, encoder_probs, decoder_probs, encoder_choice, decoder_choice_all,
             diversity.detach(), sharpness.detach(), tau_e, tau_d,
         )
+
+
+        def chosen_encoder_order(per_order: list):  # [b, ...] per encoder order → each sentence's chosen order
+            return per_order[0] if num_enc == 1 else torch.stack(per_order, 1)[sentences, encoder_choice]
+
+        def per_block(values: tuple | None, choose) -> tuple | None:
+            return None if values is None else tuple(choose(value) for value in values)
+
+        def chosen_path(value: torch.Tensor) -> torch.Tensor:
+            return value.index_select(0, rows)
+
+        encoder_fields = {  # per block [b, M, ...] → each sentence's chosen encoder order
+            name: per_block(
+                _cat_rows([getattr(outputs, name) for outputs in encoder_outputs], stack=True),
+                lambda stacked: stacked[sentences, encoder_choice],
+            )
+            for name in ("hidden_states", "attentions")
+        }
         return IOTSeq2SeqLMOutput(
             loss=loss,
             logits=logits.index_select(0, rows),
-            encoder_last_hidden_state=encoder_states[0] if num_enc == 1 else torch.stack(encoder_states, 1)[
-                torch.arange(batch, device=input_ids.device), encoder_choice],
+            encoder_last_hidden_state=chosen_encoder_order(encoder_states),
+            encoder_hidden_states=encoder_fields["hidden_states"],
+            encoder_attentions=encoder_fields["attentions"],
+            decoder_hidden_states=per_block(decoder_outputs.hidden_states, chosen_path),
+            decoder_attentions=per_block(decoder_outputs.attentions, chosen_path),
+            cross_attentions=per_block(decoder_outputs.cross_attentions, chosen_path),
             path_losses=path_token_losses,
             encoder_order_probs=encoder_probs,
             decoder_order_probs=decoder_probs,
@@ -698,22 +762,28 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
         whole mixed batch, and the outputs are put back in input order. ``encoder_order`` / ``decoder_order``
         (paper codes) force one order for all sentences. With ``return_dict_in_generate=True`` the output also
         has ``encoder_order_codes`` / ``decoder_order_codes`` (one per input sentence); they are kept in
-        ``self.last_order_codes`` too.
+        ``self.last_order_codes`` too. ``inputs_embeds`` may replace the ids (Eq. 1's predictor reads them).
         """
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
         kwargs.pop("labels", None)  # Seq2SeqTrainer passes the whole batch
         check_generate_arguments(self, input_ids, generation_config, kwargs)  # before the encoder runs here
-        if kwargs.get("encoder_outputs") is not None or input_ids is None:
+        if kwargs.get("encoder_outputs") is not None or (input_ids is None and kwargs.get("inputs_embeds") is None):
             return super().generate(input_ids, generation_config, **kwargs)
+        inputs_embeds = kwargs.pop("inputs_embeds", None)
         attention_mask = kwargs.pop("attention_mask", None)
-        if attention_mask is None:
-            attention_mask = input_ids.ne(self.config.pad_token_id).long()
         encoder_outputs = self.encode_with_orders(
             input_ids, attention_mask, encoder_order=encoder_order, decoder_order=decoder_order,
             output_attentions=bool(kwargs.get("output_attentions", False)),
             output_hidden_states=bool(kwargs.get("output_hidden_states", False)),
+            inputs_embeds=inputs_embeds,
         )
-        batch = input_ids.shape[0]
+        if attention_mask is None:
+            source = input_ids if input_ids is not None else inputs_embeds
+            attention_mask = (
+                input_ids.ne(self.config.pad_token_id).long() if input_ids is not None
+                else source.new_ones(source.shape[:2], dtype=torch.long)
+            )
+        batch = attention_mask.shape[0]
         decoder_index = encoder_outputs.decoder_order_index
         encoder_codes, decoder_codes = self.order_codes(encoder_outputs.encoder_order_index, decoder_index)
         self.last_order_codes = {"encoder": encoder_codes, "decoder": decoder_codes}
@@ -724,7 +794,7 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
         order = torch.argsort(rank[decoder_index], stable=True)
         needs_sort = not bool(torch.equal(order, torch.arange(batch, device=order.device)))
         if needs_sort:
-            input_ids = input_ids.index_select(0, order)
+            input_ids = None if input_ids is None else input_ids.index_select(0, order)
             attention_mask = attention_mask.index_select(0, order)
             for key in list(encoder_outputs.keys()):
                 encoder_outputs[key] = _reorder_rows(encoder_outputs[key], order, batch)

@@ -38,6 +38,7 @@ from transformers.models.roberta.modeling_roberta import (
     RobertaModel,
     RobertaOutput,
     RobertaSelfAttention,
+    RobertaSelfOutput,
 )
 
 from flexformers.configuration.configuration_mat import (
@@ -345,14 +346,16 @@ class MATBertSelfAttention(BertSelfAttention):
         _widen_query_key_value(self, config.num_attention_branches)
 
 
-class MATEncoderAttentionOutput(nn.Module):
+class MATEncoderAttentionOutput(RobertaSelfOutput):
     """Replaces ``RobertaSelfOutput`` / ``BertSelfOutput``: ``LayerNorm(Q + dropout(Σ_b w_b (H_b W_b + c_b)))`` —
     each branch's own output projection, merged with the drop-branch weights (Eq. 5-6) in one GEMM, with optional
     drop-head factors on the heads (Eq. 9-10). Attribute names (``dense``, ``LayerNorm``, ``dropout``) match the
     Transformers modules, so proximal initialisation maps checkpoint names one to one."""
 
     def __init__(self, config):
-        super().__init__()
+        # The stock module's layers are built here instead (its `dense` would be a single-branch weight, drawn at
+        # random and thrown away).
+        nn.Module.__init__(self)
         self.num_branches = config.num_attention_branches
         self.num_heads = config.num_attention_heads
         self.drop_branch_rate = float(config.drop_branch_rate)

@@ -6,6 +6,10 @@ standard output classes declare a `cache` field (with `past_key_values` as a dep
 5.23 uses `past_key_values` for all of these. Inside, the models call the cache `past_key_values`; the code at their
 public boundary (model `forward`s, output objects, `generate()` hooks) goes through this module, so no other file
 knows which release is running.
+
+Gradient checkpointing: 5.24 checkpoints a `GradientCheckpointingLayer` only while autograd records the call; 5.23
+also checkpoints a call made under `torch.no_grad()` in training mode, and then passes the layer
+`past_key_values=None` (`CheckpointOnlyWithGradients` gives every release 5.24's behaviour).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from transformers.modeling_outputs import Seq2SeqLMOutput
 
 #: The name the running Transformers gives the cache: `forward` argument, `model_kwargs` key, output field.
@@ -71,3 +76,20 @@ def accepts_cache_argument(forward: Callable) -> Callable:
 
     forward_taking_either_cache_name.__signature__ = signature.replace(parameters=parameters)
     return forward_taking_either_cache_name
+
+
+class CheckpointOnlyWithGradients:
+    """Mixin for a `GradientCheckpointingLayer`: its `gradient_checkpointing` flag (what Transformers sets and reads)
+    holds only while autograd records the call, so a block run under `torch.no_grad()` in training mode — InDIGO's
+    order search with its cache, inside a training step — runs as is, cache included, on 5.23 as on 5.24 (there is
+    no backward pass to recompute it for)."""
+
+    _gradient_checkpointing: bool = False
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return self._gradient_checkpointing and torch.is_grad_enabled()
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, enabled: bool) -> None:
+        self._gradient_checkpointing = enabled
