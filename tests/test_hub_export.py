@@ -391,10 +391,10 @@ def test_export_writes_a_complete_hub_folder(tmp_path, baseline_checkpoint):
     names = sorted(path.name for path in out.iterdir())
     # the backbone's model file and the sibling modules it imports (each idea in its own file), nothing else
     assert names == [
-        "README.md", "branch_merge.py", "config.json", "configuration_flexformer.py", "cpu_kernels.py",
-        "generation_config.json", "generation_hooks.py", "kv_caches.py", "losses.py", "model.safetensors",
-        "modeling_flexformer.py", "positional_embeddings.py", "sublayer_order.py", "tokenizer.json",
-        "tokenizer_config.json", "transformers_compat.py",
+        "README.md", "backbone_blocks.py", "branch_merge.py", "config.json", "configuration_flexformer.py",
+        "cpu_kernels.py", "generation_config.json", "generation_hooks.py", "kv_caches.py", "losses.py",
+        "model.safetensors", "modeling_flexformer.py", "positional_embeddings.py", "sublayer_order.py",
+        "tokenizer.json", "tokenizer_config.json", "transformers_compat.py",
     ]
     config = json.loads((out / "config.json").read_text())
     assert config["auto_map"] == {
