@@ -504,3 +504,21 @@ def test_tied_weights_declaration_matches_named_parameters(model_type, sharing):
         assert set(declared) == set(every) - set(reported)
         for target, source in declared.items():
             assert source in reported and every[target] is reported[source], (target, source)
+
+
+@pytest.mark.parametrize("model_type", list(MODEL_TYPES))
+def test_checkpoint_naming_the_shared_table_after_the_decoder_still_loads(model_type, tmp_path):
+    """Checkpoints saved while the tie's source was the decoder's table hold the shared table under
+    `model.decoder.embed_tokens.weight` only; Transformers ties either way round, so they load as they were."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model(model_type, share_all_embeddings=True)
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    state = load_file(path)
+    state["model.decoder.embed_tokens.weight"] = state.pop("model.encoder.embed_tokens.weight")
+    save_file(state, path, metadata={"format": "pt"})
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
+    assert tied_pointers(loaded) == tied_pointers(model)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name

@@ -452,6 +452,33 @@ def test_exit_loss_eq7_trains_the_halting_mechanism(mechanism, oracle):
     assert model(input_ids=source, labels=target).exit_loss is None
 
 
+def test_logits_loss_is_the_cross_entropy_of_the_returned_logits_beside_the_training_loss():
+    """`loss` stays the training objective (Eq. 7 on the aligned pass, also in eval mode: what Trainer reports as
+    eval_loss); `logits_loss` / `logits_nll_loss` are the label-smoothed cross-entropy of the returned `logits` and its
+    NLL (exp = their perplexity), for evaluation to report."""
+    model = make_model(label_smoothing=0.1, halting_mechanism="token_geometric", exit_loss_alpha=0.5)
+    source, target = make_batch()
+    target[2, 3:] = -100
+    with torch.no_grad():
+        output = model(input_ids=source, labels=target)
+    smoothed, nll = label_smoothed_nll_loss(output.logits, target, 0.1)
+    torch.testing.assert_close(output.logits_loss, smoothed)
+    torch.testing.assert_close(output.logits_nll_loss, nll)
+    torch.testing.assert_close(output.logits_loss, output.per_exit_losses[-1])  # the top classifier's logits
+    torch.testing.assert_close(output.loss, output.decoding_loss + 0.5 * output.exit_loss)
+    assert abs(output.loss.item() - output.logits_loss.item()) > 1e-3
+    # mixed training: the logits of the last sampled exit sequence
+    model = make_model(label_smoothing=0.1, training_mode="mixed", mixed_num_samples=2).train()
+    output = model(input_ids=source, labels=target)
+    torch.testing.assert_close(output.logits_loss, label_smoothed_nll_loss(output.logits.detach(), target, 0.1)[0])
+    assert not output.logits_loss.requires_grad and output.loss.requires_grad
+    # given exits: the loss is that of the returned logits
+    model.eval()
+    with torch.no_grad():
+        output = model(input_ids=source, labels=target, token_exits=torch.ones_like(target).masked_fill(target < 0, 1))
+    torch.testing.assert_close(output.loss, output.logits_loss)
+
+
 # --------------------------------------------------------------------------------------------- plumbing
 
 

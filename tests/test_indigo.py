@@ -308,6 +308,27 @@ def test_loss_is_word_plus_position_negative_log_likelihood(model, source):
     assert torch.allclose(model(input_ids=source, labels=labels).loss, model(input_ids=source, **l2r).loss)
 
 
+def test_labels_of_a_standard_seq2seq_batch_train_and_other_decoder_inputs_are_refused(model, source):
+    """A batch as `DataCollatorForSeq2Seq` builds it for any model — labels plus `decoder_input_ids` =
+    `prepare_decoder_input_ids_from_labels(labels)` — trains on the labels (the left-to-right insertion loss), as labels
+    alone do. Labels beside decoder inputs of any other kind, without insertion_labels, are refused with a message
+    naming what InDIGO needs (an insertion batch without its labels gave loss None)."""
+    labels = torch.tensor([[12, 13, 14, 2], [15, 16, 2, -100], [17, 2, -100, -100]])
+    alone = model(input_ids=source, labels=labels)
+    shifted = model.prepare_decoder_input_ids_from_labels(labels)
+    collated = model(input_ids=source, labels=labels, decoder_input_ids=shifted)
+    assert alone.loss is not None and torch.equal(collated.loss, alone.loss)
+    insertion = model.insertion_batch_from_labels(labels)
+    refused = [
+        {"decoder_input_ids": shifted.flip(-1)},
+        {"decoder_input_ids": insertion["decoder_input_ids"], "relative_positions": insertion["relative_positions"]},
+        {"decoder_inputs_embeds": model.get_decoder().embed_tokens(shifted)},
+    ]
+    for decoder_inputs in refused:
+        with pytest.raises(ValueError, match="insertion_labels and pointer_labels"):
+            model(input_ids=source, labels=labels, **decoder_inputs)
+
+
 def test_label_smoothing_and_gradients_reach_every_parameter(source):
     torch.manual_seed(0)
     model = InDIGOForConditionalGeneration(tiny_config(label_smoothing=0.1))
