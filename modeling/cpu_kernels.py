@@ -39,11 +39,13 @@ def dropout(hidden_states: torch.Tensor, p: float, training: bool) -> torch.Tens
     """Inverted dropout, `F.dropout`'s semantics (zero with probability p, scale the rest by 1/(1−p)).
 
     On CPU the mask comes from `scaled_keep_mask` (half the generator draws of `torch.rand`, ~3× faster than
-    `bernoulli_`); elsewhere `F.dropout`'s fused kernel is used as is.
+    `bernoulli_`); elsewhere, and inside `torch.compile`, `F.dropout` is used as is: the compiler does not trace
+    `random_` into an int32 buffer viewed as int16 (one graph break per dropout), and it fuses `F.dropout`'s mask
+    into the neighbouring elementwise operations itself.
     """
     if not training or p == 0.0:
         return hidden_states
-    if hidden_states.device.type != "cpu" or p >= 1.0:
+    if hidden_states.device.type != "cpu" or p >= 1.0 or torch.compiler.is_compiling():
         return F.dropout(hidden_states, p=p, training=True)
     return hidden_states * scaled_keep_mask(hidden_states, 1.0 - p)
 

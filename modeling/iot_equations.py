@@ -59,7 +59,7 @@ def sample_gumbel(shape, device, generator: torch.Generator | None = None) -> to
 
 def gumbel_softmax_confidences(
     logits: torch.Tensor,
-    temperature: float,
+    temperature: float | torch.Tensor,
     clamp: float,
     gumbel_noise: torch.Tensor | None = None,
     generator: torch.Generator | None = None,

@@ -222,6 +222,8 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
     """
 
     _can_compile_fullgraph = False
+    # FSDP / device_map units: IOT's decoder blocks are IOTDecoderLayer (accelerate looks the classes up by name)
+    _no_split_modules = ["FlexformerEncoderLayer", "IOTDecoderLayer"]
     static_cache_unsupported_reason = (
         "sentences decoding in different sub-layer orders write the self-attention cache row block by row block "
         "(StepKVCollector), which extends a cache holding exactly the past"
@@ -264,6 +266,20 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
     def set_gumbel_step(self, step: int) -> None:
         """Set the optimisation step the Gumbel temperature schedule is evaluated at (the training callback)."""
         self.gumbel_step = int(step)
+
+    @property
+    def gumbel_step(self) -> int:
+        return self._gumbel_step
+
+    @gumbel_step.setter
+    def gumbel_step(self, step: int) -> None:
+        self._gumbel_step = int(step)
+        # The training forward reads (τ_e, τ_d) as 0-dim tensors: a compiled training step takes them as inputs,
+        # where a Python number (or the step it comes from) would be specialised on and recompile the step at
+        # every new optimisation step.
+        self._gumbel_temperature_tensors = tuple(
+            torch.tensor(tau, dtype=torch.float64) for tau in self.gumbel_temperatures()
+        )
 
     def gumbel_temperatures(self) -> tuple[float, float]:
         """(τ_e, τ_d) at the current step (see ``gumbel_temperature_at``)."""
@@ -524,7 +540,7 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
         batch = source.shape[0]
         device = source.device
         num_enc, num_dec = config.num_encoder_orders, config.num_decoder_orders
-        tau_e, tau_d = self.gumbel_temperatures()
+        tau_e, tau_d = self._gumbel_temperature_tensors
         clamp = config.order_prob_clamp
         encoder = self.get_encoder()
         outputs_wanted = {"output_attentions": output_attentions, "output_hidden_states": output_hidden_states}
@@ -568,8 +584,10 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
         if config.batch_order_paths and paths > 1:
             stacked_states = torch.cat(encoder_states, dim=0) if num_enc > 1 else encoder_states[0]
             if num_dec > 1:
-                order_index = torch.tensor(arrangement, device=device).repeat_interleave(num_enc * batch)
-                decoder_order = PerRowSublayerOrder(order_index, config.decoder_sublayer_orders)
+                # The layout is known here: the plan needs no host sync, so a compiled step stays one graph.
+                decoder_order = PerRowSublayerOrder.from_row_blocks(
+                    [(candidate, num_enc * batch) for candidate in arrangement], config.decoder_sublayer_orders, device
+                )
             else:
                 decoder_order = config.decoder_sublayer_orders[0]
             # The N decoder-order paths share the encoder states: their cross-attention keys/values are projected
@@ -721,7 +739,7 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
             add("encoder_prob", encoder_probs.mean(0).cpu())
         add("diversity_loss", diversity.cpu())
         add("sharpness_loss", sharpness.cpu())
-        stats["tau"] = torch.tensor([tau_e, tau_d])
+        stats["tau"] = torch.stack((tau_e, tau_d)).float()
 
     def pop_order_statistics(self) -> dict[str, float]:
         """Order statistics accumulated by training forwards since the last call, as flat ``iot/...`` floats:

@@ -4,8 +4,7 @@ per batch row, and the schedule that runs rows of different orders together."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,13 +25,32 @@ class PerRowSublayerOrder:
     """A sub-layer order per batch row: row r runs `orders[order_index[r]]`.
 
     Build it once per batch (e.g. once per `generate()` call) and pass the same object to every layer and step:
-    the grouping of rows by stage is computed once and cached on it.
+    the grouping of rows by stage is computed once and kept on it.
+
+    `row_blocks`, when the caller knows the rows' layout on the host, is that layout as consecutive
+    `(candidate, row count)` blocks, in row order (IOT training stacks its order paths this way). The plan is
+    then built from these numbers alone: no host sync on `order_index`, so a compiled training step stays one
+    graph (`torch.compile(fullgraph=True)`).
     """
 
     order_index: torch.LongTensor
     orders: Sequence[tuple[str, ...]]
+    row_blocks: tuple[tuple[int, int], ...] | None = None
+    # Not functools.cached_property: its lock (Python < 3.12) is a context manager torch.compile cannot trace.
+    _plan: list | None = field(default=None, init=False, repr=False, compare=False)
 
-    @cached_property
+    @classmethod
+    def from_row_blocks(
+        cls, row_blocks: Sequence[tuple[int, int]], orders: Sequence[tuple[str, ...]], device=None
+    ) -> "PerRowSublayerOrder":
+        """Rows laid out as consecutive `(candidate, row count)` blocks; `order_index` is built from them."""
+        row_blocks = tuple((int(candidate), count) for candidate, count in row_blocks)
+        order_index = torch.cat(
+            [torch.full((count,), candidate, dtype=torch.long, device=device) for candidate, count in row_blocks]
+        )
+        return cls(order_index, orders, row_blocks)
+
+    @property
     def stage_plan(self) -> list[list[tuple[str, torch.Tensor | slice | None]]]:
         """The steps that run every row's sub-layers in its own order: each step is one sub-layer, applied to the
         rows whose *next* sub-layer it is, as a list of (sub-layer, rows) entries; `rows=None` = every row.
@@ -44,12 +62,25 @@ class PerRowSublayerOrder:
         to get them); a self-attention sub-layer whose rows form a few (≤ number of orders) contiguous blocks runs
         once per block, so its cache rows are never copied (`SPLIT_ATTENTION_NAMES`).
         """
+        if self._plan is None:
+            self._plan = self._build_plan()
+        return self._plan
+
+    def _build_plan(self) -> list[list[tuple[str, torch.Tensor | slice | None]]]:
         num_stages = len(self.orders[0])
         if any(len(order) != num_stages for order in self.orders):
             raise ValueError(f"orders must all have the same length, got {list(self.orders)}")
-        present = sorted(set(self.order_index.tolist()))
+        if self.row_blocks is not None:
+            spans: dict[int, list[tuple[int, int]]] = {}
+            start = 0
+            for candidate, count in self.row_blocks:
+                spans.setdefault(candidate, []).append((start, start + count))
+                start += count
+            present = sorted(spans)
+        else:
+            present = sorted(set(self.order_index.tolist()))
+            order_rows = {i: torch.nonzero(self.order_index == i).squeeze(1) for i in present}
         schedule = shortest_common_schedule([tuple(self.orders[i]) for i in present])
-        order_rows = {i: torch.nonzero(self.order_index == i).squeeze(1) for i in present}
         progress = {i: 0 for i in present}
         plan = []
         for name in schedule:
@@ -59,16 +90,37 @@ class PerRowSublayerOrder:
             if len(movers) == len(present):
                 plan.append([(name, None)])
                 continue
-            rows = torch.sort(torch.cat([order_rows[i] for i in movers])).values
-            blocks = contiguous_blocks(rows)
+            if self.row_blocks is not None:
+                blocks = _merged_spans([span for i in movers for span in spans[i]])
+                rows = None
+            else:
+                rows = torch.sort(torch.cat([order_rows[i] for i in movers])).values
+                blocks = contiguous_blocks(rows)
             if len(blocks) == 1 or (name in SPLIT_ATTENTION_NAMES and len(blocks) <= len(self.orders)):
                 plan.append([(name, block) for block in blocks])
             else:
+                if rows is None:
+                    rows = torch.cat(
+                        [torch.arange(block.start, block.stop, device=self.order_index.device) for block in blocks]
+                    )
                 plan.append([(name, rows)])
         return plan
 
     def select(self, rows: torch.Tensor) -> "PerRowSublayerOrder":
         return PerRowSublayerOrder(self.order_index.index_select(0, rows), self.orders)
+
+
+def _merged_spans(spans: list[tuple[int, int]]) -> list[slice]:
+    """Row spans `[start, stop)` → the maximal runs of consecutive rows, as slices (`contiguous_blocks` on the
+    host-side layout)."""
+    spans = sorted(spans)
+    blocks = [list(spans[0])]
+    for start, stop in spans[1:]:
+        if start == blocks[-1][1]:
+            blocks[-1][1] = stop
+        else:
+            blocks.append([start, stop])
+    return [slice(start, stop) for start, stop in blocks]
 
 
 def shortest_common_schedule(orders: Sequence[tuple[str, ...]]) -> tuple[str, ...]:
