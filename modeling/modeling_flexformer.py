@@ -147,7 +147,7 @@ class FlexformerAttention(nn.Module):
         `query_states` are the projected, *unscaled* queries `[batch, heads, q, head_dim]`; `rows` is the subset of
         batch rows being computed (None = all); `kwargs` are whatever the decoder was given as layer kwargs.
         """
-        return
+        return None
 
     def branch_weights(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
         """Merge weights of the branches, `[B]` or `[batch, B]`; None = the average 1/B. MAT overrides it."""
