@@ -393,7 +393,8 @@ class InDIGOForConditionalGeneration(InsertionDecoding, FlexformerForConditional
         if target_ids is None:
             target_ids, target_lengths = self._targets_from_labels(labels)
         orders = torch.arange(target_ids.shape[1], device=target_ids.device).expand_as(target_ids).contiguous()
-        return build_insertion_batch(target_ids, target_lengths, orders, **self._special_ids())
+        # left to right is a permutation by construction: no check (a host sync, and a graph break when compiled)
+        return build_insertion_batch(target_ids, target_lengths, orders, check_orders=False, **self._special_ids())
 
     def _check_labels_alone(self, labels, decoder_input_ids, relative_positions) -> None:
         """``labels`` with ``decoder_input_ids`` but no insertion labels: train on the labels alone when the decoder
@@ -425,7 +426,11 @@ class InDIGOForConditionalGeneration(InsertionDecoding, FlexformerForConditional
         }
 
     def _targets_from_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reading-order labels (``w_1 .. w_n </s>``, -100/pad padding) → words ``[b, T]`` and lengths ``[b]``."""
+        """Reading-order labels (``w_1 .. w_n </s>``, -100/pad padding) → words ``[b, T]`` and lengths ``[b]``.
+
+        Eager, ``T`` is the longest target; inside ``torch.compile`` it is the labels' width (trimming needs the
+        longest length on the host: a data-dependent shape, one graph break). The extra columns are padding after
+        every word, which no word attends to (insertions are causal) and no loss counts: the loss is the same."""
         pad, eos = self.config.pad_token_id, self.config.eos_token_id
         is_word = labels.ne(-100) & labels.ne(pad) & labels.ne(eos)
         lengths = is_word.sum(-1)
@@ -433,6 +438,8 @@ class InDIGOForConditionalGeneration(InsertionDecoding, FlexformerForConditional
         words = labels.gather(1, order).masked_fill(
             torch.arange(labels.shape[1], device=labels.device)[None] >= lengths[:, None], pad
         )
+        if torch.compiler.is_compiling():
+            return words, lengths
         width = max(int(lengths.max()), 1) if labels.numel() else 1
         return words[:, :width], lengths
 
