@@ -87,3 +87,23 @@ def test_threshold_sampling_buckets_and_pareto_front(tmp_path):
     plot_exits(["a", "b", "</s>"], [1, 3, 1], [0.9, 0.2, 0.99], 3, tmp_path / "e.png", "src")
     assert (tmp_path / "f.png").stat().st_size > 0 and (tmp_path / "e.png").stat().st_size > 0
     json.dumps(rows)
+
+
+@pytest.mark.slow
+def test_evaluation_reports_the_cross_entropy_of_the_returned_logits_beside_the_training_loss(tmp_path):
+    """Trainer's eval_loss of a Depth-Adaptive model is its training objective (Eq. 7, all exits); evaluation also
+    reports the label-smoothed cross-entropy of the logits it returns (the baseline's eval_loss criterion), its NLL
+    and perplexity, averaged like eval_loss over the batches."""
+    import math
+
+    from tests.test_training import tiny_argv
+
+    from flexformers.training_scripts import train
+
+    argv = tiny_argv(tmp_path / "da", "--max_steps", "3", "--max_eval_samples", "8", "--do_eval")
+    argv[argv.index("--model_type") + 1] = "depth_adaptive"
+    metrics = train.run_from_argv(argv)["eval"]
+    assert {"eval_loss", "eval_logits_loss", "eval_logits_nll_loss", "eval_logits_perplexity"} <= set(metrics)
+    assert metrics["eval_logits_loss"] != metrics["eval_loss"]
+    assert metrics["eval_logits_perplexity"] == pytest.approx(math.exp(metrics["eval_logits_nll_loss"]), rel=1e-3)
+    assert metrics["eval_logits_nll_loss"] > 0

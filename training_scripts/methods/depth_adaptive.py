@@ -21,6 +21,7 @@ and the exit loss (Eq. 6) next to the total (Eq. 7).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from transformers import Seq2SeqTrainer
 
@@ -137,6 +138,35 @@ class DepthAdaptiveSeq2SeqTrainer(Seq2SeqTrainer):
                     self._depth_adaptive_sums[name] = self._depth_adaptive_sums.get(name, 0.0) + float(value.detach())
             self._depth_adaptive_count += 1
         return (loss, outputs) if return_outputs else loss
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        """Trainer's loop, plus the cross-entropy of the returned logits (``logits_loss``, label-smoothed like a
+        baseline's ``eval_loss``; ``logits_nll_loss`` and its perplexity): ``eval_loss`` is the training objective
+        (Eq. 7: all exits and the halting loss), which no baseline's loss compares with."""
+        sums: dict[str, float] = {}
+        batches = [0]
+
+        def collect(module, args, output):
+            values = {name: getattr(output, name, None) for name in ("logits_loss", "logits_nll_loss")}
+            if values["logits_loss"] is None:  # generate()'s own forward calls carry no labels
+                return
+            for name, value in values.items():
+                sums[name] = sums.get(name, 0.0) + float(value)
+            batches[0] += 1
+
+        handle = _unwrap(self.model).register_forward_hook(collect)
+        try:
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        finally:
+            handle.remove()
+        if batches[0]:
+            for name, total in sums.items():
+                output.metrics[f"{metric_key_prefix}_{name}"] = round(total / batches[0], 4)
+            output.metrics[f"{metric_key_prefix}_logits_perplexity"] = round(
+                math.exp(min(sums["logits_nll_loss"] / batches[0], 50.0)), 4
+            )
+        return output
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self._depth_adaptive_count:
