@@ -287,6 +287,7 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
         keep_states: bool = False,
         gradient_scales: Sequence[float] | None = None,
         record: BlockOutputs | None = None,
+        check_exits: bool = True,
     ):
         """Run the N blocks over all positions. Returns ``(states, exit_states, exits)``:
 
@@ -298,13 +299,15 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
 
         ``gradient_scales`` (γ_1 … γ_N) applies line 5 of Algorithm 1 (Appendix A) between blocks; the caller scales
         the classifier outputs (line 4). ``record`` collects the hidden states / attention weights.
+        ``check_exits=False`` skips checking that ``token_exits`` lie in 1..N (a host sync, and a graph break when
+        compiled) for exits that do by construction (Eq. 5's samples).
         """
         num_layers = len(self.layers)
         batch, length = hidden_states.shape[:2]
         if token_exits is not None:
             if token_exits.shape != (batch, length):
                 raise ValueError(f"token_exits must have shape {(batch, length)}, got {tuple(token_exits.shape)}")
-            if bool((token_exits < 1).any()) or bool((token_exits > num_layers).any()):
+            if check_exits and (bool((token_exits < 1).any()) or bool((token_exits > num_layers).any())):
                 raise ValueError(f"token_exits must be exits in 1..{num_layers}")
             exits = token_exits.long()
         else:

@@ -430,7 +430,8 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
                 sampled = torch.randint(1, self.num_exits + 1, labels.shape, device=labels.device)
                 last = sample == config.mixed_num_samples - 1  # the returned logits and recorded blocks are its
                 _, exit_states, _ = decoder.forward_layerwise(
-                    hidden_states, layer_kwargs, token_exits=sampled, record=record if last else None
+                    hidden_states, layer_kwargs, token_exits=sampled, record=record if last else None,
+                    check_exits=False,
                 )
                 logits = self.classify_by_exit(exit_states, sampled)
                 sample_loss, nll = label_smoothed_nll_loss(logits, labels, epsilon, num_items_in_batch=num_items_in_batch)
