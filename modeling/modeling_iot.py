@@ -249,7 +249,7 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
         self.gumbel_step = 0
         # Row layout for mixed orders: candidates sharing a sub-layer at a stage are neighbours (see the function).
         self.decoder_row_arrangement = contiguous_order_arrangement(config.decoder_sublayer_orders)
-        self._order_statistics: dict[str, torch.Tensor] = {}
+        self._order_statistics = self._empty_order_statistics()
         self._decoder_order_cache: tuple | None = None
         self.post_init()
 
@@ -716,6 +716,21 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
 
     # -- order statistics for the training logs ------------------------------------------------------------------
 
+    def _empty_order_statistics(self) -> dict[str, torch.Tensor]:
+        """Zeroed accumulators of the order statistics, every key present from the start: a compiled training step,
+        which accumulates into them, then always meets the same dict and is not recompiled when a log line empties
+        it."""
+        num_enc, num_dec = self.config.num_encoder_orders, self.config.num_decoder_orders
+        shapes = {
+            "steps": (), "path_loss": (num_enc, num_dec), "decoder_usage": (num_dec,), "encoder_usage": (num_enc,),
+            "diversity_loss": (), "sharpness_loss": (), "tau": (2,),
+        }
+        if self.decoder_order_predictor is not None:
+            shapes["decoder_prob"] = (num_dec,)
+        if self.encoder_order_predictor is not None:
+            shapes["encoder_prob"] = (num_enc,)
+        return {name: torch.zeros(shape) for name, shape in shapes.items()}
+
     @torch.no_grad()
     def _accumulate_order_statistics(
         self, path_token_losses, encoder_probs, decoder_probs, encoder_choice, decoder_choice_all,
@@ -725,30 +740,30 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
         num_dec = self.config.num_decoder_orders
         num_enc = self.config.num_encoder_orders
 
-        def add(name, value):
-            value = value.detach().float()
-            stats[name] = stats[name] + value if name in stats else value.clone()
+        def add(name, value):  # on the model's device: no copy to the host (a sync on a GPU) until they are logged
+            stats[name] = stats[name].to(value.device) + value.detach().float()
 
-        add("steps", torch.ones(()))
-        add("path_loss", path_token_losses.float().cpu())
-        add("decoder_usage", F.one_hot(decoder_choice_all.reshape(-1), num_dec).sum(0).float().cpu())
-        add("encoder_usage", F.one_hot(encoder_choice, num_enc).sum(0).float().cpu())
+        add("steps", torch.ones((), device=path_token_losses.device))
+        add("path_loss", path_token_losses)
+        add("decoder_usage", F.one_hot(decoder_choice_all.reshape(-1), num_dec).sum(0))
+        add("encoder_usage", F.one_hot(encoder_choice, num_enc).sum(0))
         if decoder_probs is not None:
-            add("decoder_prob", decoder_probs.reshape(-1, num_dec).mean(0).cpu())
+            add("decoder_prob", decoder_probs.reshape(-1, num_dec).mean(0))
         if encoder_probs is not None:
-            add("encoder_prob", encoder_probs.mean(0).cpu())
-        add("diversity_loss", diversity.cpu())
-        add("sharpness_loss", sharpness.cpu())
+            add("encoder_prob", encoder_probs.mean(0))
+        add("diversity_loss", diversity)
+        add("sharpness_loss", sharpness)
         stats["tau"] = torch.stack((tau_e, tau_d)).float()
 
     def pop_order_statistics(self) -> dict[str, float]:
         """Order statistics accumulated by training forwards since the last call, as flat ``iot/...`` floats:
         share of sentences whose argmax decoder (encoder) order is each code, mean predictor probability per
         code, per-token loss of each path, L_D, L_S and the temperatures. Resets the accumulators."""
-        stats, self._order_statistics = self._order_statistics, {}
-        if not stats:
-            return {}
+        stats = self._order_statistics
+        self._order_statistics = {name: torch.zeros_like(value) for name, value in stats.items()}
         steps = float(stats["steps"])
+        if not steps:
+            return {}
         out: dict[str, float] = {}
         for side, codes in (("decoder", self.config.decoder_orders), ("encoder", self.config.encoder_orders)):
             usage = stats[f"{side}_usage"]
