@@ -42,7 +42,7 @@ class PerRowSublayerOrder:
     @classmethod
     def from_row_blocks(
         cls, row_blocks: Sequence[tuple[int, int]], orders: Sequence[tuple[str, ...]], device=None
-    ) -> "PerRowSublayerOrder":
+    ) -> PerRowSublayerOrder:
         """Rows laid out as consecutive `(candidate, row count)` blocks; `order_index` is built from them."""
         row_blocks = tuple((int(candidate), count) for candidate, count in row_blocks)
         order_index = torch.cat(
