@@ -170,6 +170,9 @@ class IOTModel(FlexformerModel):
 
     config_class = IOTConfig
     components = IOT_COMPONENTS
+    # FSDP / device_map units: IOT's decoder blocks are IOTDecoderLayer (accelerate looks the classes up by name,
+    # and a model's list is the union of its own and its sub-models')
+    _no_split_modules = ["FlexformerEncoderLayer", "IOTDecoderLayer"]
 
 
 _PER_BLOCK_FIELDS = ("hidden_states", "attentions", "cross_attentions")
@@ -222,8 +225,7 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
     """
 
     _can_compile_fullgraph = False
-    # FSDP / device_map units: IOT's decoder blocks are IOTDecoderLayer (accelerate looks the classes up by name)
-    _no_split_modules = ["FlexformerEncoderLayer", "IOTDecoderLayer"]
+    _no_split_modules = IOTModel._no_split_modules
     static_cache_unsupported_reason = (
         "sentences decoding in different sub-layer orders write the self-attention cache row block by row block "
         "(StepKVCollector), which extends a cache holding exactly the past"
