@@ -143,6 +143,12 @@ def parse_arguments(argv: list[str] | None = None):
             "--fp16 needs a GPU: on the CPU it would be ignored and training would run in float32. "
             "Drop it, or use --bf16 true (bfloat16 mixed precision works on the CPU)"
         )
+    if training_args.fsdp and training_args.device.type == "cpu":
+        # accelerate turns FSDP on only for accelerator devices: CPU processes would silently run DDP.
+        raise ValueError(
+            "--fsdp needs GPUs: on the CPU accelerate runs the processes with DDP instead, each holding the whole "
+            "model. Drop --fsdp (torchrun --nproc_per_node=N ... --use_cpu true trains with DDP over gloo)"
+        )
     return spec, model_args, data_args, training_args, method_args
 
 
