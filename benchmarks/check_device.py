@@ -36,7 +36,7 @@ from flexformers.modeling import (  # noqa: E402
     IOTForConditionalGeneration,
     MATForConditionalGeneration,
 )
-import flexformers.modeling.modeling_iot as iot_module  # noqa: E402
+import flexformers.modeling.iot_equations as iot_equations  # noqa: E402
 from flexformers.training_scripts.indigo_orders import InDIGODataCollator  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -121,8 +121,8 @@ def main():
     }
     # IOT's training draws Gumbel noise (Eq. 1, IOT) with the device's generator; draw it on the CPU for both runs
     # so that the two compute the same function.
-    sample_gumbel = iot_module.sample_gumbel
-    iot_module.sample_gumbel = lambda shape, device, generator=None: sample_gumbel(shape, "cpu", generator).to(device)
+    sample_gumbel = iot_equations.sample_gumbel
+    iot_equations.sample_gumbel = lambda shape, device, generator=None: sample_gumbel(shape, "cpu", generator).to(device)
     for name, model in models.items():
         cpu_model, device_model = on_both(model, device)
         check_training(name, cpu_model, device_model, {"input_ids": source, "labels": target}, device)
