@@ -5,6 +5,7 @@ import json
 import math
 import sysconfig
 import types
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -294,6 +295,12 @@ def test_quickstart_smoke(tmp_path, capsys):
     stored = json.loads((tmp_path / "qs" / "eval_results.json").read_text())
     assert set(stored["metrics"]) == set(stored["copy_baseline"]) == set(stored["gain_over_copy"]) == {"bleu", "chrf", "ter"}
     assert stored["task"] == "word_order" and stored == result["eval"]
+    # word-order recovery: the test outputs (and the validation curve's) are permutations of the source words
+    assert stored["output_constraint"] == "permutation of the source words"
+    hypotheses = [json.loads(line) for line in (tmp_path / "qs" / "generations.test.jsonl").read_text().splitlines()]
+    # (the smoke mode's 32-token limit cuts the longest, maybe inside a word; the words before are the source's)
+    assert all(Counter(row["hypothesis"].split()[:-1]) <= Counter(row["source"].split()) for row in hypotheses)
+    assert sum(sorted(row["hypothesis"].split()) == sorted(row["source"].split()) for row in hypotheses) >= 4
     assert stored["copy_baseline"]["chrf"] > 30  # the shuffled sentence has every character of the reference
     assert (tmp_path / "qs" / "model.safetensors").is_file()
     # the learning curve: training loss and validation BLEU per update, with the copy baseline

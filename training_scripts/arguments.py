@@ -46,6 +46,12 @@ class ModelArguments:
     max_train_minutes: float | None = field(
         default=None, metadata={"help": "Stop training (and save) after this many minutes of wall time."}
     )
+    permutation_of_source: bool | None = field(
+        default=None,
+        metadata={"help": "Generate validation/test outputs as permutations of the source words (word-order "
+                          "recovery: the task's definition of an answer). Default: on for --task word_order with a "
+                          "left-to-right model, off otherwise."},
+    )
     retain_cpu_memory: bool = field(
         default=True,
         metadata={

@@ -25,13 +25,17 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
-from transformers import HfArgumentParser
+from transformers import HfArgumentParser, LogitsProcessorList
 
 from flexformers.training_scripts.arguments import DataArguments, describe_dataset
 from flexformers.training_scripts.checkpoints import weights_problem
 from flexformers.training_scripts.data import SPLITS, escape_line, load_corpus
 from flexformers.training_scripts.metrics_utils import compute_generation_metrics, copy_baseline_metrics, gain_over_copy
 from flexformers.training_scripts.model_registry import available_model_types, get_method_spec
+from flexformers.training_scripts.permutation_decoding import (
+    SourceWordPermutationLogitsProcessor,
+    uses_permutation_of_source,
+)
 from flexformers.training_scripts.tokenizer import load_tokenizers
 
 logger = logging.getLogger("flexformers.decode")
@@ -65,6 +69,12 @@ class DecodeArguments:
     )
     write_eval_results: bool = field(default=True, metadata={"help": f"Write {EVAL_RESULTS_FILE} into the model dir."})
     seed: int = field(default=0, metadata={"help": "Seed (for models that sample during decoding)."})
+    permutation_of_source: bool | None = field(
+        default=None,
+        metadata={"help": "Constrain each output to a permutation of its source's words (word-order recovery: the "
+                          "task's definition of an answer). Default: on for --task word_order with a left-to-right "
+                          "model, off otherwise."},
+    )
 
     def __post_init__(self):
         if self.split not in SPLITS:
@@ -133,12 +143,13 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", bf16: 
 @torch.inference_mode()
 def generate_texts(
     model, source_tokenizer, target_tokenizer, sources: list[str], num_beams: int = 5, length_penalty: float = 1.0,
-    max_new_tokens: int = 256, batch_size: int = 32, progress: bool = True,
+    max_new_tokens: int = 256, batch_size: int = 32, progress: bool = True, permutation_of_source: bool = False,
 ) -> tuple[list[str], dict]:
     """Hypotheses for ``sources`` (in input order) and throughput statistics of the ``generate`` calls.
 
     Sentences are batched by length (less padding); sources are truncated to the model's
-    ``max_source_positions``, with a warning naming each input that was cut."""
+    ``max_source_positions``, with a warning naming each input that was cut. With ``permutation_of_source``, each
+    output is a permutation of its source's words (:mod:`~flexformers.training_scripts.permutation_decoding`)."""
     from tqdm.auto import tqdm
 
     max_source = getattr(model.config, "max_source_positions", 1024)
@@ -162,6 +173,10 @@ def generate_texts(
     batches = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
     for batch in tqdm(batches, desc="Decoding", disable=not progress):
         padded = source_tokenizer.pad({"input_ids": [encoded[i] for i in batch]}, return_tensors="pt")
+        extra = {}
+        if permutation_of_source:
+            extra["logits_processor"] = LogitsProcessorList([SourceWordPermutationLogitsProcessor(
+                [sources[i] for i in batch], target_tokenizer, eos_token_id=model.config.eos_token_id)])
         start = time.perf_counter()
         output = model.generate(
             input_ids=padded["input_ids"].to(device),
@@ -169,7 +184,9 @@ def generate_texts(
             num_beams=num_beams,
             length_penalty=length_penalty,
             max_new_tokens=max_new_tokens,
+            max_length=None,  # the saved generation config's max_length (Trainer writes 20) would only warn
             early_stopping=True if num_beams > 1 else False,
+            **extra,
         )
         seconds += time.perf_counter() - start
         sequences = output.sequences if hasattr(output, "sequences") else output
@@ -239,8 +256,10 @@ def run(decode_args: DecodeArguments, data_args: DataArguments) -> dict:
     device = decode_args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, source_tokenizer, target_tokenizer = load_model(decode_args.model_name_or_path, device, decode_args.bf16)
     max_new_tokens = decode_args.max_new_tokens or data_args.max_target_length
+    permutation = uses_permutation_of_source(decode_args.permutation_of_source, data_args.task, model.config.model_type)
     generation = dict(num_beams=decode_args.num_beams, length_penalty=decode_args.length_penalty,
-                      max_new_tokens=max_new_tokens, batch_size=decode_args.batch_size)
+                      max_new_tokens=max_new_tokens, batch_size=decode_args.batch_size,
+                      permutation_of_source=permutation)
 
     if decode_args.text or decode_args.stdin:
         sources = list(decode_args.text or [])
@@ -296,6 +315,7 @@ def run(decode_args: DecodeArguments, data_args: DataArguments) -> dict:
         "num_beams": decode_args.num_beams,
         "length_penalty": decode_args.length_penalty,
         "max_new_tokens": max_new_tokens,
+        "output_constraint": "permutation of the source words" if permutation else None,
         "throughput": dict(stats, device=str(device), dtype="bfloat16" if decode_args.bf16 else "float32",
                            batch_size=decode_args.batch_size),
     }
@@ -316,6 +336,8 @@ def print_report(results, sources, references, hypotheses, num_samples, output_f
     labels = {"bleu": "BLEU", "chrf": "chrF", "ter": "TER", "pov": "PoV"}
     metrics = "  ".join(f"{labels.get(name, name)} {value:.2f}" for name, value in results["metrics"].items())
     subset = " within the training lengths" if results.get("within_training_lengths") else ""
+    if results.get("output_constraint"):
+        subset += f", outputs constrained to a {results['output_constraint']}"
     print(f"{results['dataset']} [{results['split']}, {results['num_examples']} examples{subset}, beam {results['num_beams']}, "
           f"lenpen {results['length_penalty']}]: {metrics}")
     copy = "  ".join(f"{labels.get(name, name)} {value:.2f}" for name, value in results["copy_baseline"].items())

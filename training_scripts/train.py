@@ -40,6 +40,10 @@ from flexformers.training_scripts.data import load_corpus
 from flexformers.training_scripts.metrics_utils import compute_generation_metrics, copy_baseline_metrics, gain_over_copy
 from flexformers.training_scripts.model_registry import MethodSpec, get_method_spec
 from flexformers.training_scripts.nonfinite import FiniteLossMixin, NonFiniteTrainingError
+from flexformers.training_scripts.permutation_decoding import (
+    uses_permutation_of_source,
+    with_permutation_constrained_evaluation,
+)
 from flexformers.training_scripts.tokenizer import (
     SOURCE_TOKENIZER_SUBDIR,
     build_tokenizers,
@@ -479,11 +483,14 @@ def run(spec, model_args, data_args, training_args, method_args, extra_callbacks
     test_dataset = _limit(tokenized["test"], data_args.max_predict_samples)
 
     callbacks = spec.make_callbacks(method_args) + list(extra_callbacks or [])
-    if model_args.max_train_minutes:
+    if model_args.max_train_minutes and not any(isinstance(callback, MaxTimeCallback) for callback in callbacks):
+        # a caller's own deadline (the quickstart's, which counts the corpus and tokenizer too) takes precedence
         callbacks.append(MaxTimeCallback(model_args.max_train_minutes))
     if model_args.max_train_minutes and not training_args.disable_tqdm:
         callbacks.append(TimeBudgetProgressCallback(model_args.max_train_minutes))
     trainer_class = training_trainer_class(spec.trainer_class or Seq2SeqTrainer)
+    if uses_permutation_of_source(model_args.permutation_of_source, data_args.task, config.model_type):
+        trainer_class = with_permutation_constrained_evaluation(trainer_class, source_tokenizer)
     trainer = trainer_class(
         model=model,
         args=training_args,
@@ -524,6 +531,8 @@ def run(spec, model_args, data_args, training_args, method_args, extra_callbacks
         # "validation_results.json", not Trainer's default "eval_results.json": that name is flexformers-decode's
         # test-set report (read by flexformers-export), which a later --do_eval run would otherwise overwrite.
         trainer.save_metrics("validation", metrics)
+        if training_args.do_train:
+            trainer.save_state()  # the final model's validation scores belong in the saved history (learning curves)
         results["eval"] = metrics
     if training_args.do_predict:
         prediction = trainer.predict(test_dataset, metric_key_prefix="test")

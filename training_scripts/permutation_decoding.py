@@ -1,0 +1,165 @@
+"""Decoding constrained to a permutation of the source's words (word-order recovery).
+
+Word-order recovery asks for the input's words in their original order, so every correct output is a permutation
+of the input's whitespace-separated words. :class:`SourceWordPermutationLogitsProcessor` lets a left-to-right
+decoder emit exactly that: at each step only tokens that continue a word still left in the source's bag, or start
+one, are allowed, and ``</s>`` only once every word is placed. The model still chooses the order; the constraint
+removes dropped, repeated and invented words (a small model's typical errors, e.g. ``free GPLvribute``).
+
+The words are matched as the target tokenizer writes them in running text: the first word of the output as
+``tokenize(word)``, every later word as ``tokenize(" " + word)`` (byte-level BPE marks a leading space, so the two
+differ). It works with any ``generate()`` search (greedy, beam, sampling) of a ``GenerationMixin`` model.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+#: One partial reading of a hypothesis: (counts of each source word type still to place, the word being written
+#: (its type index, or -1 before the first word), how many of its tokens are written, whether it is the first word).
+_Reading = tuple[tuple[int, ...], int, int, bool]
+
+
+def _token_ids(tokenizer, text: str) -> tuple[int, ...]:
+    return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+class _SourceBag:
+    """The words of one source: their distinct forms, counts, and token sequences as first / later word."""
+
+    def __init__(self, source: str, tokenizer):
+        counts = Counter(source.split())
+        self.words = list(counts)
+        self.counts = tuple(counts[word] for word in self.words)
+        self.first_tokens = [_token_ids(tokenizer, word) for word in self.words]
+        self.later_tokens = [_token_ids(tokenizer, " " + word) for word in self.words]
+
+    def tokens(self, word: int, first: bool) -> tuple[int, ...]:
+        return self.first_tokens[word] if first else self.later_tokens[word]
+
+
+class SourceWordPermutationLogitsProcessor(LogitsProcessor):
+    """Allow only outputs that are a permutation of each source's whitespace-separated words.
+
+    Args:
+        sources: the source texts of the batch, in batch order (``generate`` expands each to its beams).
+        tokenizer: the target tokenizer (it must write every word as its own tokens, as byte-level BPE does).
+        eos_token_id: the end-of-sequence id, allowed only when every source word is placed.
+        prompt_length: tokens at the start of each decoder sequence that are not output (the decoder start token).
+    """
+
+    def __init__(self, sources: Sequence[str], tokenizer, eos_token_id: int, prompt_length: int = 1):
+        if not sources:
+            raise ValueError("SourceWordPermutationLogitsProcessor needs at least one source text")
+        empty = [index for index, source in enumerate(sources) if not source.split()]
+        if empty:
+            raise ValueError(f"source {empty[0] + 1} has no words; a permutation of its words is empty")
+        self.bags = [_SourceBag(source, tokenizer) for source in sources]
+        self.eos_token_id = eos_token_id
+        self.prompt_length = prompt_length
+        self._readings: dict[tuple[int, tuple[int, ...]], frozenset[_Reading]] = {}
+
+    def _initial(self, bag: _SourceBag) -> frozenset[_Reading]:
+        return frozenset({(bag.counts, -1, 0, True)})
+
+    def _advance(self, bag: _SourceBag, readings: frozenset[_Reading], token: int) -> frozenset[_Reading]:
+        following = set()
+        for remaining, word, written, first in readings:
+            if word >= 0:
+                tokens = bag.tokens(word, first)
+                if written < len(tokens) and tokens[written] == token:
+                    following.add((remaining, word, written + 1, first))
+                    continue
+                if written < len(tokens):
+                    continue
+            starts_first = word < 0
+            for candidate, count in enumerate(remaining):
+                if count and bag.tokens(candidate, starts_first)[0] == token:
+                    left = remaining[:candidate] + (count - 1,) + remaining[candidate + 1:]
+                    following.add((left, candidate, 1, starts_first))
+        return frozenset(following)
+
+    def readings(self, row: int, output: tuple[int, ...]) -> frozenset[_Reading]:
+        """Every way ``output`` (tokens after the prompt) can be read as words of source ``row``; empty when it
+        cannot. Memoised by prefix, so each beam step costs one token's transition."""
+        key = (row, output)
+        cached = self._readings.get(key)
+        if cached is not None:
+            return cached
+        bag = self.bags[row]
+        readings = self._initial(bag) if not output else self._advance(bag, self.readings(row, output[:-1]), output[-1])
+        self._readings[key] = readings
+        return readings
+
+    def allowed_tokens(self, row: int, output: tuple[int, ...]) -> set[int] | None:
+        """Token ids that may follow ``output`` for source ``row``; ``None`` when ``output`` is no longer a
+        hypothesis being extended (it ended, or padding follows its end) and nothing is to be constrained."""
+        readings = self.readings(row, output)
+        if not readings:
+            return None
+        bag = self.bags[row]
+        allowed: set[int] = set()
+        for remaining, word, written, first in readings:
+            if word >= 0:
+                tokens = bag.tokens(word, first)
+                if written < len(tokens):
+                    allowed.add(tokens[written])
+                    continue
+            for candidate, count in enumerate(remaining):
+                if count:
+                    allowed.add(bag.tokens(candidate, word < 0)[0])
+            if word >= 0 and not any(remaining):
+                allowed.add(self.eos_token_id)
+        return allowed
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        rows = input_ids.shape[0]
+        if rows % len(self.bags):
+            raise ValueError(f"{rows} hypotheses for {len(self.bags)} sources: pass the batch's sources in order")
+        per_source = rows // len(self.bags)
+        mask = torch.zeros_like(scores, dtype=torch.bool)
+        constrained = torch.zeros(rows, dtype=torch.bool)
+        for hypothesis, ids in enumerate(input_ids[:, self.prompt_length:].tolist()):
+            if self.eos_token_id in ids:
+                continue
+            allowed = self.allowed_tokens(hypothesis // per_source, tuple(ids))
+            if allowed:
+                mask[hypothesis, list(allowed)] = True
+                constrained[hypothesis] = True
+        mask[~constrained.to(mask.device)] = True
+        return scores.masked_fill(~mask, -float("inf"))
+
+
+def uses_permutation_of_source(requested: bool | None, task: str, model_type: str) -> bool:
+    """Whether outputs are constrained to permutations of the source words: ``requested`` if given, else on for
+    word-order recovery with a left-to-right decoder. InDIGO inserts tokens anywhere, so a prefix constraint does
+    not apply to it (asking for it there is a ``ValueError``)."""
+    insertion_based = model_type == "indigo"
+    if requested is None:
+        return task == "word_order" and not insertion_based
+    if requested and insertion_based:
+        raise ValueError("--permutation_of_source constrains left-to-right decoding; an InDIGO model inserts tokens "
+                         "at any position, so it cannot be used with it")
+    return requested
+
+
+def with_permutation_constrained_evaluation(trainer_class: type, source_tokenizer) -> type:
+    """``trainer_class`` (a ``Seq2SeqTrainer``) whose ``predict_with_generate`` evaluation decodes each batch under
+    :class:`SourceWordPermutationLogitsProcessor`, so validation scores during training are measured as the test
+    set is by ``flexformers-decode``. The batch's sources are read back from its ``input_ids``."""
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+        if self.args.predict_with_generate and not prediction_loss_only:
+            gen_kwargs = dict(gen_kwargs or getattr(self, "_gen_kwargs", {}))
+            sources = source_tokenizer.batch_decode(inputs["input_ids"], skip_special_tokens=True)
+            gen_kwargs["logits_processor"] = LogitsProcessorList([SourceWordPermutationLogitsProcessor(
+                sources, self.processing_class, eos_token_id=model.config.eos_token_id)])
+        return trainer_class.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys,
+                                             **gen_kwargs)
+
+    return type(trainer_class.__name__, (trainer_class,),
+                {"prediction_step": prediction_step, "__module__": trainer_class.__module__})
