@@ -836,6 +836,11 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
             for key in ("decoder_input_ids", "decoder_attention_mask"):
                 if isinstance(kwargs.get(key), torch.Tensor) and kwargs[key].shape[0] == batch:
                     kwargs[key] = kwargs[key].index_select(0, order)
+            allowed_tokens = kwargs.get("prefix_allowed_tokens_fn")
+            if allowed_tokens is not None:
+                # a per-sentence constraint is asked about the sentence's index in the caller's batch
+                input_sentence = order.tolist()
+                kwargs["prefix_allowed_tokens_fn"] = lambda batch_id, ids: allowed_tokens(input_sentence[batch_id], ids)
         try:
             output = super().generate(
                 input_ids, generation_config, attention_mask=attention_mask, encoder_outputs=encoder_outputs, **kwargs

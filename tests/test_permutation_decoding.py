@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import PrefixConstrainedLogitsProcessor
 
 from flexformers.training_scripts.permutation_decoding import (
-    SourceWordPermutationLogitsProcessor,
+    SourceWordPermutation,
     uses_permutation_of_source,
+    with_permutation_constrained_evaluation,
 )
 from flexformers.training_scripts.tokenizer import train_bpe_tokenizer
-from tests.test_conformance import tiny_model
+from tests.test_conformance import LEFT_TO_RIGHT_TYPES, tiny_model
 
 TEXTS = [
     "Could not open the file.",
@@ -35,7 +37,7 @@ def _decode_output(tokenizer, row: list[int]) -> str:
 def test_any_scores_give_a_permutation_of_the_source_words(tokenizer, seed):
     """Greedy choice under random scores, two hypotheses per source: every output ends, and its words are exactly
     the source's words (repeated words as often as in the source), whatever the scores preferred."""
-    processor = SourceWordPermutationLogitsProcessor(SOURCES, tokenizer, eos_token_id=2)
+    processor = PrefixConstrainedLogitsProcessor(SourceWordPermutation(SOURCES, tokenizer, eos_token_id=2), num_beams=2)
     generator = torch.Generator().manual_seed(seed)
     rows = 2 * len(SOURCES)
     ids = torch.full((rows, 1), 2)
@@ -56,8 +58,11 @@ def test_any_scores_give_a_permutation_of_the_source_words(tokenizer, seed):
 def test_allowed_tokens_follow_the_remaining_words(tokenizer):
     """First word: its word-initial form (no leading-space marker); later words: the running-text form; </s> only
     once every word is placed."""
-    processor = SourceWordPermutationLogitsProcessor(["open not"], tokenizer, eos_token_id=2)
-    ids = lambda text: tuple(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    processor = SourceWordPermutation(["open not"], tokenizer, eos_token_id=2)
+
+    def ids(text):
+        return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+
     assert processor.allowed_tokens(0, ()) == {ids("open")[0], ids("not")[0]}
     after_open = ids("open")
     assert processor.allowed_tokens(0, after_open) == {ids(" not")[0]}
@@ -65,16 +70,39 @@ def test_allowed_tokens_follow_the_remaining_words(tokenizer):
     assert processor.allowed_tokens(0, after_open + ids(" open")) is None  # not a reading of the source
 
 
-def test_greedy_and_beam_generation_output_permutations(tokenizer):
-    """Through ``generate()`` of an untrained model: greedy and beam outputs are permutations of the words."""
-    model = tiny_model("flexformer", vocab_size=len(tokenizer))
+@pytest.mark.parametrize("model_type", LEFT_TO_RIGHT_TYPES)
+def test_greedy_and_beam_generation_output_permutations(tokenizer, model_type):
+    """Through ``generate()`` of each untrained left-to-right model: greedy and beam outputs are permutations of
+    their own source's words."""
+    model = tiny_model(model_type, vocab_size=len(tokenizer))
     batch = tokenizer(SOURCES, return_tensors="pt", padding=True)
     for num_beams in (1, 3):
-        processor = SourceWordPermutationLogitsProcessor(SOURCES, tokenizer, eos_token_id=2)
+        constraint = SourceWordPermutation(SOURCES, tokenizer, eos_token_id=2)
         with torch.no_grad():
-            output = model.generate(**batch, num_beams=num_beams, max_new_tokens=40, logits_processor=[processor])
+            output = model.generate(**batch, num_beams=num_beams, max_new_tokens=40,
+                                    prefix_allowed_tokens_fn=constraint)
         for source, row in zip(SOURCES, output.tolist()):
             assert sorted(_decode_output(tokenizer, row[1:]).split()) == sorted(source.split())
+
+
+def test_iot_asks_about_each_sentence_in_the_callers_order(tokenizer):
+    """IOT regroups a batch by predicted decoder order inside ``generate()``: the constraint is still asked about
+    each hypothesis's sentence as the caller numbered it (else outputs would permute another source's words)."""
+    sources = SOURCES * 3
+    batch = tokenizer(sources, return_tensors="pt", padding=True)
+    for seed in range(30):
+        model = tiny_model("iot", seed=seed, vocab_size=len(tokenizer))
+        with torch.no_grad():
+            codes = model.predict_orders(batch["input_ids"], batch["attention_mask"])[1].tolist()
+        if len(set(codes)) > 1:  # the sources repeat, so their orders interleave: generate() regroups the batch
+            break
+    else:
+        pytest.fail("no seed gave an untrained IOT model decoder orders out of batch order")
+    with torch.no_grad():
+        output = model.generate(**batch, num_beams=2, max_new_tokens=40,
+                                prefix_allowed_tokens_fn=SourceWordPermutation(sources, tokenizer, eos_token_id=2))
+    for source, row in zip(sources, output.tolist()):
+        assert sorted(_decode_output(tokenizer, row[1:]).split()) == sorted(source.split())
 
 
 def test_defaults_and_bad_requests():
@@ -86,21 +114,20 @@ def test_defaults_and_bad_requests():
     with pytest.raises(ValueError, match="InDIGO"):
         uses_permutation_of_source(True, "word_order", "indigo")
     with pytest.raises(ValueError, match="source 2 has no words"):
-        SourceWordPermutationLogitsProcessor(["a b", "  "], None, eos_token_id=2)
+        SourceWordPermutation(["a b", "  "], None, eos_token_id=2)
 
 
-def test_rows_must_match_the_sources(tokenizer):
-    processor = SourceWordPermutationLogitsProcessor(SOURCES, tokenizer, eos_token_id=2)
-    with pytest.raises(ValueError, match="4 hypotheses for 3 sources"):
-        processor(torch.full((4, 1), 2), torch.zeros(4, len(tokenizer)))
+def test_sentences_must_match_the_sources(tokenizer):
+    constraint = SourceWordPermutation(SOURCES, tokenizer, eos_token_id=2)
+    with pytest.raises(ValueError, match="sentence 3 of the batch, but only 3 sources"):
+        constraint(3, torch.tensor([2]))
+    assert constraint(0, torch.tensor([2, 9, 2, 1])) == [2]  # an ended hypothesis only continues with </s>
 
 
 def test_trainer_evaluation_decodes_under_the_constraint(tokenizer, tmp_path):
     """``flexformers-train``'s validation during training generates as ``flexformers-decode`` does on the test set:
     the sources are read back from the batch and every generated output is a permutation of its source."""
     from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
-
-    from flexformers.training_scripts.permutation_decoding import with_permutation_constrained_evaluation
 
     model = tiny_model("flexformer", vocab_size=len(tokenizer))
     trainer_class = with_permutation_constrained_evaluation(Seq2SeqTrainer, tokenizer)

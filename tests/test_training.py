@@ -292,6 +292,8 @@ def test_quickstart_smoke(tmp_path, capsys):
     assert "REFERENCE:" in printed and "GENERATED:" in printed and "sacrebleu signature:" in printed
     # the model's scores beside copying the input, on the same test examples, in the summary and eval_results.json
     assert "copying the input" in printed and "model - copy" in printed
+    assert "exactly right:" in printed and result["exact_matches"]["examples"] == 6
+    assert result["exact_matches"]["copy"] == 0  # a shuffled sentence is never its own reference
     stored = json.loads((tmp_path / "qs" / "eval_results.json").read_text())
     assert set(stored["metrics"]) == set(stored["copy_baseline"]) == set(stored["gain_over_copy"]) == {"bleu", "chrf", "ter"}
     assert stored["task"] == "word_order" and stored == result["eval"]

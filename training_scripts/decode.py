@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
-from transformers import HfArgumentParser, LogitsProcessorList
+from transformers import HfArgumentParser
 
 from flexformers.training_scripts.arguments import DataArguments, describe_dataset
 from flexformers.training_scripts.checkpoints import weights_problem
@@ -33,7 +33,7 @@ from flexformers.training_scripts.data import SPLITS, escape_line, load_corpus
 from flexformers.training_scripts.metrics_utils import compute_generation_metrics, copy_baseline_metrics, gain_over_copy
 from flexformers.training_scripts.model_registry import available_model_types, get_method_spec
 from flexformers.training_scripts.permutation_decoding import (
-    SourceWordPermutationLogitsProcessor,
+    SourceWordPermutation,
     uses_permutation_of_source,
 )
 from flexformers.training_scripts.tokenizer import load_tokenizers
@@ -175,8 +175,8 @@ def generate_texts(
         padded = source_tokenizer.pad({"input_ids": [encoded[i] for i in batch]}, return_tensors="pt")
         extra = {}
         if permutation_of_source:
-            extra["logits_processor"] = LogitsProcessorList([SourceWordPermutationLogitsProcessor(
-                [sources[i] for i in batch], target_tokenizer, eos_token_id=model.config.eos_token_id)])
+            extra["prefix_allowed_tokens_fn"] = SourceWordPermutation(
+                [sources[i] for i in batch], target_tokenizer, eos_token_id=model.config.eos_token_id)
         start = time.perf_counter()
         output = model.generate(
             input_ids=padded["input_ids"].to(device),

@@ -1,14 +1,16 @@
 """Decoding constrained to a permutation of the source's words (word-order recovery).
 
 Word-order recovery asks for the input's words in their original order, so every correct output is a permutation
-of the input's whitespace-separated words. :class:`SourceWordPermutationLogitsProcessor` lets a left-to-right
-decoder emit exactly that: at each step only tokens that continue a word still left in the source's bag, or start
-one, are allowed, and ``</s>`` only once every word is placed. The model still chooses the order; the constraint
-removes dropped, repeated and invented words (a small model's typical errors, e.g. ``free GPLvribute``).
+of the input's whitespace-separated words. :class:`SourceWordPermutation`, a ``prefix_allowed_tokens_fn`` for
+``generate()``, lets a left-to-right decoder emit exactly that: at each step only tokens that continue a word
+still left in the source's bag, or start one, are allowed, and ``</s>`` only once every word is placed. The model
+still chooses the order; the constraint removes dropped, repeated and invented words (a small model's typical
+errors, e.g. ``free GPLvribute``).
 
 The words are matched as the target tokenizer writes them in running text: the first word of the output as
 ``tokenize(word)``, every later word as ``tokenize(" " + word)`` (byte-level BPE marks a leading space, so the two
-differ). It works with any ``generate()`` search (greedy, beam, sampling) of a ``GenerationMixin`` model.
+differ). It works with greedy and beam search of every left-to-right flexformers model (IOT, which regroups a
+batch by decoder order inside ``generate()``, passes each hypothesis's original sentence index).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from collections import Counter
 from collections.abc import Sequence
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
 
 #: One partial reading of a hypothesis: (counts of each source word type still to place, the word being written
 #: (its type index, or -1 before the first word), how many of its tokens are written, whether it is the first word).
@@ -42,11 +43,14 @@ class _SourceBag:
         return self.first_tokens[word] if first else self.later_tokens[word]
 
 
-class SourceWordPermutationLogitsProcessor(LogitsProcessor):
-    """Allow only outputs that are a permutation of each source's whitespace-separated words.
+class SourceWordPermutation:
+    """Allow only outputs that are a permutation of each source's whitespace-separated words: a
+    ``prefix_allowed_tokens_fn`` for ``generate()`` (Transformers' per-sentence constraint hook).
+
+    ``model.generate(**batch, prefix_allowed_tokens_fn=SourceWordPermutation(sources, tokenizer, eos_token_id))``
 
     Args:
-        sources: the source texts of the batch, in batch order (``generate`` expands each to its beams).
+        sources: the source texts of the batch, in batch order (``generate`` passes each hypothesis's sentence index).
         tokenizer: the target tokenizer (it must write every word as its own tokens, as byte-level BPE does).
         eos_token_id: the end-of-sequence id, allowed only when every source word is placed.
         prompt_length: tokens at the start of each decoder sequence that are not output (the decoder start token).
@@ -54,7 +58,7 @@ class SourceWordPermutationLogitsProcessor(LogitsProcessor):
 
     def __init__(self, sources: Sequence[str], tokenizer, eos_token_id: int, prompt_length: int = 1):
         if not sources:
-            raise ValueError("SourceWordPermutationLogitsProcessor needs at least one source text")
+            raise ValueError("SourceWordPermutation needs at least one source text")
         empty = [index for index, source in enumerate(sources) if not source.split()]
         if empty:
             raise ValueError(f"source {empty[0] + 1} has no words; a permutation of its words is empty")
@@ -63,18 +67,14 @@ class SourceWordPermutationLogitsProcessor(LogitsProcessor):
         self.prompt_length = prompt_length
         self._readings: dict[tuple[int, tuple[int, ...]], frozenset[_Reading]] = {}
 
-    def _initial(self, bag: _SourceBag) -> frozenset[_Reading]:
-        return frozenset({(bag.counts, -1, 0, True)})
-
     def _advance(self, bag: _SourceBag, readings: frozenset[_Reading], token: int) -> frozenset[_Reading]:
         following = set()
         for remaining, word, written, first in readings:
             if word >= 0:
                 tokens = bag.tokens(word, first)
-                if written < len(tokens) and tokens[written] == token:
-                    following.add((remaining, word, written + 1, first))
-                    continue
                 if written < len(tokens):
+                    if tokens[written] == token:
+                        following.add((remaining, word, written + 1, first))
                     continue
             starts_first = word < 0
             for candidate, count in enumerate(remaining):
@@ -83,25 +83,28 @@ class SourceWordPermutationLogitsProcessor(LogitsProcessor):
                     following.add((left, candidate, 1, starts_first))
         return frozenset(following)
 
-    def readings(self, row: int, output: tuple[int, ...]) -> frozenset[_Reading]:
-        """Every way ``output`` (tokens after the prompt) can be read as words of source ``row``; empty when it
-        cannot. Memoised by prefix, so each beam step costs one token's transition."""
-        key = (row, output)
+    def readings(self, sentence: int, output: tuple[int, ...]) -> frozenset[_Reading]:
+        """Every way ``output`` (tokens after the prompt) can be read as words of source ``sentence``; empty when it
+        cannot. Memoised by prefix, so each step of a hypothesis costs one token's transition."""
+        key = (sentence, output)
         cached = self._readings.get(key)
         if cached is not None:
             return cached
-        bag = self.bags[row]
-        readings = self._initial(bag) if not output else self._advance(bag, self.readings(row, output[:-1]), output[-1])
+        bag = self.bags[sentence]
+        if output:
+            readings = self._advance(bag, self.readings(sentence, output[:-1]), output[-1])
+        else:
+            readings = frozenset({(bag.counts, -1, 0, True)})
         self._readings[key] = readings
         return readings
 
-    def allowed_tokens(self, row: int, output: tuple[int, ...]) -> set[int] | None:
-        """Token ids that may follow ``output`` for source ``row``; ``None`` when ``output`` is no longer a
-        hypothesis being extended (it ended, or padding follows its end) and nothing is to be constrained."""
-        readings = self.readings(row, output)
+    def allowed_tokens(self, sentence: int, output: tuple[int, ...]) -> set[int] | None:
+        """Token ids that may follow ``output`` for source ``sentence``; ``None`` when ``output`` is not a reading
+        of the source (a hypothesis that already ended, with padding after its ``</s>``)."""
+        readings = self.readings(sentence, output)
         if not readings:
             return None
-        bag = self.bags[row]
+        bag = self.bags[sentence]
         allowed: set[int] = set()
         for remaining, word, written, first in readings:
             if word >= 0:
@@ -116,22 +119,17 @@ class SourceWordPermutationLogitsProcessor(LogitsProcessor):
                 allowed.add(self.eos_token_id)
         return allowed
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        rows = input_ids.shape[0]
-        if rows % len(self.bags):
-            raise ValueError(f"{rows} hypotheses for {len(self.bags)} sources: pass the batch's sources in order")
-        per_source = rows // len(self.bags)
-        mask = torch.zeros_like(scores, dtype=torch.bool)
-        constrained = torch.zeros(rows, dtype=torch.bool)
-        for hypothesis, ids in enumerate(input_ids[:, self.prompt_length:].tolist()):
-            if self.eos_token_id in ids:
-                continue
-            allowed = self.allowed_tokens(hypothesis // per_source, tuple(ids))
-            if allowed:
-                mask[hypothesis, list(allowed)] = True
-                constrained[hypothesis] = True
-        mask[~constrained.to(mask.device)] = True
-        return scores.masked_fill(~mask, -float("inf"))
+    def __call__(self, batch_id: int, input_ids: torch.Tensor) -> list[int]:
+        """``prefix_allowed_tokens_fn``: the tokens allowed after one hypothesis (``input_ids``, prompt included)
+        of sentence ``batch_id``; only ``</s>`` once it has ended."""
+        if batch_id >= len(self.bags):
+            raise ValueError(f"sentence {batch_id} of the batch, but only {len(self.bags)} sources were given: pass "
+                             "the batch's sources in order")
+        output = tuple(input_ids[self.prompt_length:].tolist())
+        if self.eos_token_id in output:
+            return [self.eos_token_id]
+        allowed = self.allowed_tokens(batch_id, output)
+        return sorted(allowed) if allowed else [self.eos_token_id]
 
 
 def uses_permutation_of_source(requested: bool | None, task: str, model_type: str) -> bool:
@@ -149,15 +147,15 @@ def uses_permutation_of_source(requested: bool | None, task: str, model_type: st
 
 def with_permutation_constrained_evaluation(trainer_class: type, source_tokenizer) -> type:
     """``trainer_class`` (a ``Seq2SeqTrainer``) whose ``predict_with_generate`` evaluation decodes each batch under
-    :class:`SourceWordPermutationLogitsProcessor`, so validation scores during training are measured as the test
+    :class:`SourceWordPermutation`, so validation scores during training are measured as the test
     set is by ``flexformers-decode``. The batch's sources are read back from its ``input_ids``."""
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
         if self.args.predict_with_generate and not prediction_loss_only:
             gen_kwargs = dict(gen_kwargs or getattr(self, "_gen_kwargs", {}))
             sources = source_tokenizer.batch_decode(inputs["input_ids"], skip_special_tokens=True)
-            gen_kwargs["logits_processor"] = LogitsProcessorList([SourceWordPermutationLogitsProcessor(
-                sources, self.processing_class, eos_token_id=model.config.eos_token_id)])
+            gen_kwargs["prefix_allowed_tokens_fn"] = SourceWordPermutation(
+                sources, self.processing_class, eos_token_id=model.config.eos_token_id)
         return trainer_class.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys,
                                              **gen_kwargs)
 

@@ -176,6 +176,7 @@ def learning_curve(output_dir: str | os.PathLike, task_name: str) -> Path:
     if copy:
         bleu_axis.axhline(copy[-1], color="tab:red", linestyle="--", label=f"copying the input: BLEU {copy[-1]:.1f}")
     bleu_axis.set_ylabel("BLEU")
+    bleu_axis.set_ylim(bottom=0)
     handles = loss_axis.get_legend_handles_labels()[0] + bleu_axis.get_legend_handles_labels()[0]
     labels = loss_axis.get_legend_handles_labels()[1] + bleu_axis.get_legend_handles_labels()[1]
     bleu_axis.legend(handles, labels, loc="center right", fontsize=8)
@@ -293,6 +294,9 @@ def run_from_argv(argv: list[str] | None = None) -> dict:
     print(f"  {'copying the input':18}" + "".join(f"{value:9.2f}" for value in results["copy_baseline"].values()))
     print(f"  {'model - copy':18}" + "".join(f"{value:+9.2f}" for value in results["gain_over_copy"].values())
           + "   (TER: copy - model)")
+    exact = exact_matches(Path(args.output_dir) / "generations.test.jsonl")
+    print(f"  exactly right: {exact['model']} of {exact['examples']} test outputs equal their reference "
+          f"({100 * exact['model'] / max(exact['examples'], 1):.1f}%; copying the input: {exact['copy']})")
     for name, value in figures.items():
         print(f"  {name}: {value}")
     print(f"Trained {state['global_step']} updates ({state['epoch']:.1f} epochs; training loss {first:.2f} at the start, "
@@ -301,7 +305,16 @@ def run_from_argv(argv: list[str] | None = None) -> dict:
     print(f"Checkpoint: {Path(args.output_dir).resolve()}  (results in eval_results.json)")
     print(f"Try it:  flexformers-decode --model_name_or_path {args.output_dir} --text \"{recipe['try_text']}\"")
     return {"train": train_results["train"], "eval": results, "curve": str(curve), "figures": figures,
-            "minutes": (time.monotonic() - started) / 60}
+            "exact_matches": exact, "minutes": (time.monotonic() - started) / 60}
+
+
+def exact_matches(generations_file: str | os.PathLike) -> dict:
+    """How many hypotheses of ``flexformers-decode``'s ``generations.<split>.jsonl`` equal their reference exactly
+    (whitespace-normalised), beside how many sources already do (copying the input)."""
+    rows = [json.loads(line) for line in Path(generations_file).read_text(encoding="utf-8").splitlines() if line]
+    return {"examples": len(rows),
+            "model": sum(row["hypothesis"].split() == row["reference"].split() for row in rows),
+            "copy": sum(row["source"].split() == row["reference"].split() for row in rows)}
 
 
 def _data_fields(data_flags: list[str], python_source_dirs) -> dict:
