@@ -39,6 +39,7 @@ def test_a_regular_install_puts_only_the_flexformers_package_into_site_packages(
     assert (package / "metrics" / "bleu" / "bleu.py").is_file()
     assert (package / "hub_cards" / "_base.md").is_file() and (package / "hub_cards" / "iot.md").is_file()
     assert (package / "training_scripts" / "accelerate_configs" / "fsdp.yaml").is_file()
+    assert (package / "training_scripts" / "zoo_recipes.yaml").is_file()  # flexformers-zoo's default recipes
 
 
 @pytest.mark.slow

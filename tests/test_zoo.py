@@ -1,0 +1,175 @@
+"""flexformers-zoo: the recipe file, resuming, the results and docs/ZOO.md."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from flexformers.training_scripts import zoo
+
+RECIPE_HEADER = """
+defaults: {updates: 3, eval_every: 2}
+tasks:
+  word_order:
+    data: [--task, word_order, --word_order_base, gettext]
+    vocab_size: 1000
+    max_source_length: 48
+    max_target_length: 48
+    batch_size: 4
+    learning_rate: 3.0e-3
+    warmup_steps: 1
+"""
+
+
+def write_recipes(tmp_path: Path, recipes: str, header: str = RECIPE_HEADER) -> Path:
+    path = tmp_path / "recipes.yaml"
+    path.write_text(header + "recipes:\n" + recipes)
+    return path
+
+
+def test_the_shipped_recipes_are_valid_and_cover_every_claim():
+    recipes = zoo.load_recipes()
+    names = [recipe.name for recipe in recipes]
+    assert len(names) == len(set(names))
+    claims = {recipe.claim for recipe in recipes}
+    assert {"baseline", "iot", "mat", "depth-adaptive", "indigo"} <= claims
+    baselines = [r for r in recipes if r.claim == "baseline"]
+    for task in ("translation", "word_order"):
+        assert len({r.seed for r in baselines if r.task == task}) >= 3  # the seed spread
+    by_name = {recipe.name: recipe for recipe in recipes}
+    for recipe in recipes:
+        if recipe.init_from:
+            assert names.index(recipe.init_from) < names.index(recipe.name)
+    assert by_name["mat-proximal-translation-s1"].init_from == "baseline-translation-half"
+    # MAT with proximal init trains as many updates in all as the baseline it is compared with
+    assert (by_name["baseline-translation-half"].updates + by_name["mat-proximal-translation-s1"].updates
+            == by_name["baseline-translation-s1"].updates)
+    assert by_name["indigo-sao-word-order"].init_from == "indigo-l2r-word-order"
+
+
+@pytest.mark.parametrize(("recipes", "message"), [
+    ("  - {task: word_order, model_type: flexformer}\n", "recipe 1 has no name"),
+    ("  - {name: a, task: poetry, model_type: flexformer}\n", "recipe 'a': task 'poetry' is not under 'tasks:'"),
+    ("  - {name: a, task: word_order, model_type: gpt}\n", "recipe 'a': model_type 'gpt' is not one of"),
+    ("  - {name: a, task: word_order, model_type: flexformer, epochs: 3}\n", "recipe 'a': unknown field\\(s\\) epochs"),
+    ("  - {name: a, task: word_order, model_type: flexformer, updates: -5}\n", "updates must be an integer >= 1"),
+    ("  - {name: a, task: word_order, model_type: mat, init_from: b}\n", "init_from 'b' must name an earlier recipe"),
+    ("  - {name: a, task: word_order, model_type: flexformer}\n  - {name: a, task: word_order, model_type: iot}\n",
+     "recipe name 'a' appears twice"),
+    ("  - {name: a, task: word_order, model_type: flexformer, size: huge}\n", "size must be one of"),
+])
+def test_malformed_recipes_are_named(tmp_path, recipes, message):
+    with pytest.raises(ValueError, match=message):
+        zoo.load_recipes(write_recipes(tmp_path, recipes))
+
+
+def test_malformed_files_are_named(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        zoo.load_recipes(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("recipes: [unclosed\n")
+    with pytest.raises(ValueError, match="bad.yaml is not valid YAML"):
+        zoo.load_recipes(tmp_path / "bad.yaml")
+    (tmp_path / "empty.yaml").write_text("tasks: {}\n")
+    with pytest.raises(ValueError, match="needs a non-empty 'recipes:' list"):
+        zoo.load_recipes(tmp_path / "empty.yaml")
+    header = RECIPE_HEADER.replace("    warmup_steps: 1\n", "")
+    with pytest.raises(ValueError, match="task 'word_order': missing warmup_steps"):
+        zoo.load_recipes(write_recipes(tmp_path, "  - {name: a, task: word_order, model_type: flexformer}\n", header))
+
+
+def test_the_command_line_names_bad_requests(tmp_path, capsys):
+    path = write_recipes(tmp_path, "  - {name: a, task: word_order, model_type: flexformer}\n")
+    assert zoo.main(["--recipes", str(path), "--runs_dir", str(tmp_path / "runs"), "run", "b"]) == 1
+    assert "no recipe named b" in capsys.readouterr().err
+    assert zoo.main(["--recipes", str(path), "--runs_dir", str(tmp_path / "runs"), "run"]) == 1
+    assert "or pass --all" in capsys.readouterr().err
+    assert zoo.main(["--recipes", str(path), "--runs_dir", str(tmp_path / "runs"), "list"]) == 0
+    assert "not started" in capsys.readouterr().out
+
+
+def test_last_fifth_gain_reads_the_flattening_criterion():
+    rising = [{"update": u, "bleu": b} for u, b in [(1000, 10), (2000, 20), (3000, 25), (4000, 28), (5000, 30)]]
+    assert zoo.last_fifth_gain(rising) == 2.0  # from update 4000 (the last point at or before 80 %) to the best after
+    flat = [{"update": u, "bleu": b} for u, b in [(1000, 10), (2000, 20), (3000, 25), (4000, 30.0), (5000, 30.3)]]
+    assert zoo.last_fifth_gain(flat) == pytest.approx(0.3)
+    assert zoo.last_fifth_gain(flat[:2]) is None  # too few points to say
+
+
+def test_training_argv_resumes_and_initialises(tmp_path):
+    path = write_recipes(tmp_path, (
+        "  - {name: base, task: word_order, model_type: flexformer, seed: 5}\n"
+        "  - {name: mat, task: word_order, model_type: mat, init_from: base, overrides: drop_branch_rate=0.3}\n"
+        "  - {name: sao, task: word_order, model_type: indigo, init_from: base, flags: [--order, sao]}\n"
+    ))
+    base, mat, sao = zoo.load_recipes(path)
+    runs = tmp_path / "runs"
+    argv = zoo.training_argv(base, runs / "base", runs)
+    assert argv[argv.index("--seed") + 1] == "5" and argv[argv.index("--max_steps") + 1] == "3"
+    assert "--resume_from_checkpoint" not in argv
+    mat_argv = zoo.training_argv(mat, runs / "mat", runs)
+    assert mat_argv[mat_argv.index("--baseline_checkpoint") + 1] == str(runs / "base")
+    assert "drop_branch_rate=0.3" in mat_argv[mat_argv.index("--config_overrides") + 1]
+    sao_argv = zoo.training_argv(sao, runs / "sao", runs)
+    assert sao_argv[sao_argv.index("--model_name_or_path") + 1] == str(runs / "base")
+    assert "--preset" not in sao_argv and sao_argv[-2:] == ["--order", "sao"]
+
+
+@pytest.mark.slow
+def test_smoke_runs_resume_and_render(tmp_path):
+    """Two recipes in smoke mode: trained, decoded beside the copy baseline, exported; the second is proximally
+    initialised from the first. A run cut off after its first checkpoint resumes from it; ZOO.md is rendered."""
+    path = write_recipes(tmp_path, (
+        "  - {name: base, task: word_order, model_type: flexformer, claim: baseline}\n"
+        "  - {name: mat, task: word_order, model_type: mat, init_from: base, claim: mat}\n"
+    ))
+    runs = tmp_path / "runs"
+    argv = ["--recipes", str(path), "--runs_dir", str(runs)]
+    assert zoo.main([*argv, "run", "--all", "--smoke"]) == 0
+    for name in ("base", "mat"):
+        result = json.loads((runs / name / zoo.RESULT_FILE).read_text())
+        assert result["updates"] == zoo.SMOKE_UPDATES and result["smoke"]
+        assert set(result["test"]["metrics"]) == set(result["test"]["copy_baseline"]) == {"bleu", "chrf", "ter"}
+        assert result["test"]["output_constraint"] == "permutation of the source words"
+        assert (runs / "hub" / name / "README.md").is_file() and (runs / "hub" / name / "config.json").is_file()
+    assert json.loads((runs / "mat" / "config.json").read_text())["model_type"] == "mat"
+
+    # cut off: the result, the final model and the last checkpoint are gone, the first checkpoint is left
+    base = runs / "base"
+    (base / zoo.RESULT_FILE).unlink()
+    (base / "model.safetensors").unlink()
+    (base / "trainer_state.json").unlink()
+    shutil.rmtree(base / f"checkpoint-{zoo.SMOKE_UPDATES}")
+    assert zoo.trained_updates(base) == 2
+    assert zoo.main([*argv, "run", "base", "--smoke"]) == 0
+    progress = json.loads((base / zoo.PROGRESS_FILE).read_text())["segments"]
+    assert [(s["from_update"], s["to_update"]) for s in progress] == [(0, 3), (2, 3)]
+    assert zoo.main([*argv, "run", "--all", "--smoke"]) == 0  # finished recipes are skipped
+
+    docs = tmp_path / "docs" / "ZOO.md"
+    assert zoo.main([*argv, "render", "--docs", str(docs)]) == 0
+    text = docs.read_text()
+    assert "| base | baseline |" in text and "| mat | mat |" in text
+    assert (tmp_path / "docs" / "zoo" / "curves_word_order.png").is_file()
+
+
+@pytest.mark.slow
+def test_every_shipped_recipe_runs_in_smoke_mode(tmp_path):
+    """`flexformers-zoo run --all --smoke` on the committed recipe file: every recipe trains a few updates (the
+    initialised ones from their smoke-trained parents), is decoded beside the copy baseline, analysed and exported."""
+    runs = tmp_path / "runs"
+    assert zoo.main(["--runs_dir", str(runs), "run", "--all", "--smoke"]) == 0
+    recipes = zoo.load_recipes()
+    for recipe in recipes:
+        result = json.loads((runs / recipe.name / zoo.RESULT_FILE).read_text())
+        assert result["updates"] == zoo.SMOKE_UPDATES and result["recipe"]["model_type"] == recipe.model_type
+        assert (runs / "hub" / recipe.name / "README.md").is_file()
+    adaptive = json.loads((runs / "depth-adaptive-translation-s1" / zoo.RESULT_FILE).read_text())["figures"]
+    assert set(adaptive["depth_adaptive"]["fixed_exits"]) == {"1", "2", "3", "4"}
+    iot = json.loads((runs / "iot-translation-s1" / zoo.RESULT_FILE).read_text())["figures"]
+    assert any("order usage" in name for name in iot)
+    docs = tmp_path / "ZOO.md"
+    assert zoo.main(["--runs_dir", str(runs), "render", "--docs", str(docs)]) == 0
+    assert all(f"| {recipe.name} |" in docs.read_text() for recipe in recipes)

@@ -1,0 +1,519 @@
+"""The zoo (``flexformers-zoo``): the recipes of ``zoo_recipes.yaml`` in, trained models and ``docs/ZOO.md`` out.
+
+    flexformers-zoo list                       # every recipe and how far it got
+    flexformers-zoo run --all                  # train what is not finished (resuming), evaluate, export
+    flexformers-zoo run baseline-translation-s1 iot-translation-s1
+    flexformers-zoo render                     # docs/ZOO.md: the table and the plots, from the finished runs
+    flexformers-zoo run --all --smoke          # every recipe for a few updates (CI)
+
+A recipe is trained by ``flexformers-train`` for its budget in updates, saving a checkpoint at every curve point so
+that a run cut off (a session ends, the machine restarts) goes on from there: ``run --all`` skips finished recipes
+and resumes the others. A finished recipe is decoded on the whole test split (BLEU / chrF / TER with the sacrebleu
+signature, beside copying the input), analysed by its method (IOT order usage, Depth-Adaptive exits and a threshold
+sweep, InDIGO's insertion order) and exported as a Hub folder whose card carries the same numbers; its
+``zoo_result.json`` is what ``render`` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import yaml
+
+logger = logging.getLogger("flexformers.zoo")
+
+DEFAULT_RECIPES = Path(__file__).with_name("zoo_recipes.yaml")
+RESULT_FILE = "zoo_result.json"
+PROGRESS_FILE = "zoo_progress.json"
+SMOKE_UPDATES = 3
+#: Validation BLEU gained over the last fifth of a run's updates below which its curve counts as flattened.
+FLAT_CURVE_GAIN = 0.5
+RECIPE_FIELDS = {"name", "task", "model_type", "seed", "updates", "size", "overrides", "flags", "init_from", "claim",
+                 "eval_every", "eval_samples", "test_beams"}
+TASK_FIELDS = {"what", "data", "vocab_size", "max_source_length", "max_target_length", "batch_size", "learning_rate",
+               "warmup_steps"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooRecipe:
+    """One trained model of the zoo (see ``zoo_recipes.yaml`` for the fields)."""
+
+    name: str
+    task: str
+    model_type: str
+    task_settings: dict
+    seed: int = 1
+    updates: int = 15000
+    size: str = "tiny"
+    overrides: str = ""
+    flags: tuple[str, ...] = ()
+    init_from: str | None = None
+    claim: str = ""
+    eval_every: int = 1000
+    eval_samples: int = 300
+    test_beams: int = 4
+
+
+def load_recipes(path: str | os.PathLike = DEFAULT_RECIPES) -> list[ZooRecipe]:
+    """The recipes of a recipe file; a ``ValueError`` naming the recipe and field for anything malformed."""
+    from flexformers.training_scripts.model_registry import available_model_types
+    from flexformers.training_scripts.quickstart import MODEL_SIZES
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"recipe file {path} does not exist")
+    try:
+        document = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path} is not valid YAML: {error}") from error
+    if not isinstance(document, dict) or not isinstance(document.get("recipes"), list) or not document["recipes"]:
+        raise ValueError(f"{path} needs a non-empty 'recipes:' list")
+    tasks = document.get("tasks") or {}
+    for task, settings in tasks.items():
+        missing = TASK_FIELDS - {"what"} - set(settings or {})
+        unknown = set(settings or {}) - TASK_FIELDS
+        if missing or unknown:
+            raise ValueError(f"{path}: task {task!r}: " + "; ".join(
+                filter(None, [missing and f"missing {', '.join(sorted(missing))}",
+                              unknown and f"unknown field(s) {', '.join(sorted(unknown))}"])))
+    defaults = document.get("defaults") or {}
+    recipes: list[ZooRecipe] = []
+    for index, entry in enumerate(document["recipes"], start=1):
+        if not isinstance(entry, dict) or "name" not in entry:
+            raise ValueError(f"{path}: recipe {index} has no name")
+        name = entry["name"]
+        fields = {**{k: v for k, v in defaults.items() if k in RECIPE_FIELDS}, **entry}
+        unknown = set(entry) - RECIPE_FIELDS
+        if unknown:
+            raise ValueError(f"{path}: recipe {name!r}: unknown field(s) {', '.join(sorted(unknown))}")
+        for required in ("task", "model_type"):
+            if required not in fields:
+                raise ValueError(f"{path}: recipe {name!r} needs '{required}'")
+        if fields["task"] not in tasks:
+            raise ValueError(f"{path}: recipe {name!r}: task {fields['task']!r} is not under 'tasks:' "
+                             f"({', '.join(tasks) or 'none'})")
+        if fields["model_type"] not in available_model_types():
+            raise ValueError(f"{path}: recipe {name!r}: model_type {fields['model_type']!r} is not one of "
+                             f"{', '.join(available_model_types())}")
+        if fields.get("size", "tiny") not in MODEL_SIZES:
+            raise ValueError(f"{path}: recipe {name!r}: size must be one of {', '.join(MODEL_SIZES)}")
+        if any(r.name == name for r in recipes):
+            raise ValueError(f"{path}: recipe name {name!r} appears twice")
+        if fields.get("init_from") and not any(r.name == fields["init_from"] for r in recipes):
+            raise ValueError(f"{path}: recipe {name!r}: init_from {fields['init_from']!r} must name an earlier recipe")
+        for number in ("seed", "updates", "eval_every", "eval_samples", "test_beams"):
+            smallest = 0 if number == "seed" else 1
+            if number in fields and (not isinstance(fields[number], int) or fields[number] < smallest):
+                raise ValueError(f"{path}: recipe {name!r}: {number} must be an integer >= {smallest}, "
+                                 f"got {fields[number]!r}")
+        fields["flags"] = tuple(str(flag) for flag in fields.get("flags") or ())
+        fields["overrides"] = fields.get("overrides") or ""
+        recipes.append(ZooRecipe(task_settings=dict(tasks[fields["task"]]), **fields))
+    return recipes
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Running one recipe
+# --------------------------------------------------------------------------------------------------------------
+def training_argv(recipe: ZooRecipe, output_dir: Path, runs_dir: Path, smoke: bool = False) -> list[str]:
+    """The ``flexformers-train`` command line of a recipe (resuming when ``output_dir`` holds a checkpoint)."""
+    from flexformers.training_scripts.checkpoints import find_latest_complete_checkpoint
+    from flexformers.training_scripts.quickstart import FAST_RECIPE, MODEL_SIZES
+
+    task = recipe.task_settings
+    updates = SMOKE_UPDATES if smoke else recipe.updates
+    eval_every = 2 if smoke else recipe.eval_every
+    argv = [
+        "--model_type", recipe.model_type,
+        *task["data"],
+        "--max_source_length", str(task["max_source_length"]),
+        "--max_target_length", str(task["max_target_length"]),
+        "--per_device_train_batch_size", str(4 if smoke else task["batch_size"]),
+        "--per_device_eval_batch_size", "100",
+        "--learning_rate", str(task["learning_rate"]),
+        "--warmup_steps", str(1 if smoke else task["warmup_steps"]),
+        "--max_steps", str(updates),
+        "--output_dir", str(output_dir),
+        "--do_train",
+        "--eval_strategy", "steps",
+        "--eval_steps", str(eval_every),
+        "--save_strategy", "steps",
+        "--save_steps", str(eval_every),
+        "--save_total_limit", "2",
+        "--load_best_model_at_end", "false",
+        "--max_eval_samples", str(4 if smoke else recipe.eval_samples),
+        "--logging_steps", "1" if smoke else "100",
+        "--report_to", "none",
+        "--seed", str(recipe.seed),
+    ]
+    if smoke:
+        argv += ["--max_train_samples", "16", "--disable_tqdm", "true"]
+    initial = runs_dir / recipe.init_from if recipe.init_from else None
+    if initial is not None and recipe.model_type == "mat":
+        argv += ["--baseline_checkpoint", str(initial), "--tokenizer_name_or_path", str(initial)]
+    elif initial is not None:
+        argv += ["--model_name_or_path", str(initial)]
+    overrides = ",".join(filter(None, [MODEL_SIZES[recipe.size], FAST_RECIPE, recipe.overrides]))
+    if initial is None or recipe.model_type == "mat":
+        argv += ["--preset", "transformer_codegen_small", "--config_overrides", overrides,
+                 "--vocab_size", str(1000 if smoke else task["vocab_size"])]
+    elif recipe.overrides:
+        argv += ["--config_overrides", recipe.overrides]
+    if output_dir.is_dir() and find_latest_complete_checkpoint(str(output_dir))[0] is not None:
+        argv += ["--resume_from_checkpoint", "latest"]
+    return [*argv, *recipe.flags]
+
+
+def machine_description() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)}"
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} CPU threads"
+
+
+def trained_updates(output_dir: Path) -> int:
+    """Updates of the finished training in ``output_dir`` (its final ``trainer_state.json``), else of its newest
+    checkpoint, else 0."""
+    states = [output_dir / "trainer_state.json", *sorted(output_dir.glob("checkpoint-*/trainer_state.json"))]
+    steps = [json.loads(path.read_text()).get("global_step", 0) for path in states if path.is_file()]
+    return max(steps, default=0)
+
+
+def _record_segment(output_dir: Path, seconds: float, from_step: int, to_step: int) -> dict:
+    path = output_dir / PROGRESS_FILE
+    progress = json.loads(path.read_text()) if path.is_file() else {"segments": []}
+    progress["segments"].append({"ended": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                 "seconds": round(seconds, 1), "from_update": from_step, "to_update": to_step,
+                                 "machine": machine_description()})
+    path.write_text(json.dumps(progress, indent=2) + "\n")
+    return progress
+
+
+def validation_curve(output_dir: Path) -> list[dict]:
+    """(update, validation BLEU/chrF, copy BLEU) of every curve point in the run's history."""
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    return [{"update": entry["step"], "bleu": entry["eval_bleu"], "chrf": entry.get("eval_chrf"),
+             "copy_bleu": entry.get("eval_copy_bleu")} for entry in state["log_history"] if "eval_bleu" in entry]
+
+
+def last_fifth_gain(curve: list[dict]) -> float | None:
+    """Validation BLEU gained over the last fifth of the updates (the best point there minus the point where that
+    fifth starts): below :data:`FLAT_CURVE_GAIN`, the curve has flattened."""
+    if len(curve) < 3:
+        return None
+    last_update = curve[-1]["update"]
+    start = [point for point in curve if point["update"] <= 0.8 * last_update]
+    if not start:
+        return None
+    tail = [point["bleu"] for point in curve if point["update"] >= start[-1]["update"]]
+    return round(max(tail) - start[-1]["bleu"], 2)
+
+
+def method_analysis(recipe: ZooRecipe, output_dir: Path, test_sources: list[str], smoke: bool) -> dict:
+    """The method's own figures: IOT order usage, MAT branches, InDIGO's left-to-right share, and for
+    Depth-Adaptive BLEU / average exit / FLOPs on the test split at every fixed exit and over a threshold sweep."""
+    from flexformers.training_scripts import depth_adaptive_tools
+    from flexformers.training_scripts.quickstart import method_figures
+
+    figures = method_figures(recipe.model_type, str(output_dir), test_sources, limit=8 if smoke else 500)
+    if recipe.model_type == "depth_adaptive":
+        common = ["--model_name_or_path", str(output_dir), "--num_beams", "1" if smoke else str(recipe.test_beams),
+                  "--batch_size", "64"] + (["--max_samples", "4", "--max_new_tokens", "8"] if smoke else [])
+        evaluated = depth_adaptive_tools.main(["evaluate", *common, "--split", "test", "--exit_strategy", "confidence",
+                                               "--all_fixed_exits"])
+        sweep = depth_adaptive_tools.main([
+            "threshold-search", *common, "--split", "validation", "--exit_strategy", "confidence",
+            "--num_samples", "3" if smoke else "40", *([] if smoke else ["--max_samples", "500"]),
+            "--output_dir", str(output_dir / "threshold_search"),
+        ])
+        figures["depth_adaptive"] = {
+            "confidence": {k: evaluated[k] for k in ("bleu", "chrf", "average_exit", "flops_per_token")},
+            "fixed_exits": {block: {k: row[k] for k in ("bleu", "average_exit", "flops_per_token")}
+                            for block, row in evaluated["fixed_exits"].items()},
+            "validation_pareto_front": [{k: row[k] for k in ("bleu", "average_exit", "thresholds")}
+                                        for row in sweep["pareto_front"]],
+        }
+    return figures
+
+
+def run_recipe(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, export: bool = True) -> dict:
+    """Train (or resume) one recipe, then evaluate, analyse and export it; returns its ``zoo_result.json``."""
+    from flexformers.training_scripts import decode, export_to_hub, train
+    from flexformers.training_scripts.quickstart import learning_curve
+
+    output_dir = runs_dir / recipe.name
+    result_path = output_dir / RESULT_FILE
+    if result_path.is_file():
+        return json.loads(result_path.read_text())
+    output_dir.mkdir(parents=True, exist_ok=True)
+    target = SMOKE_UPDATES if smoke else recipe.updates
+    done = trained_updates(output_dir)
+    if not (output_dir / "model.safetensors").is_file() or done < target:
+        if recipe.init_from and not (runs_dir / recipe.init_from / RESULT_FILE).is_file():
+            raise ValueError(f"recipe {recipe.name!r} starts from {recipe.init_from!r}, which is not finished: "
+                             f"run that one first")
+        started = time.monotonic()
+        train.run(*train.parse_arguments(training_argv(recipe, output_dir, runs_dir, smoke)))
+        _record_segment(output_dir, time.monotonic() - started, done, trained_updates(output_dir))
+    progress = json.loads((output_dir / PROGRESS_FILE).read_text())
+
+    evaluation = decode.run_from_argv([
+        "--model_name_or_path", str(output_dir), "--split", "test",
+        "--num_beams", "1" if smoke else str(recipe.test_beams), "--batch_size", "64", "--num_samples_to_print", "3",
+        *(["--max_samples", "4", "--max_new_tokens", "8"] if smoke else []),
+    ])
+    from flexformers.training_scripts.arguments import DataArguments
+    from flexformers.training_scripts.data import load_corpus
+
+    data_args = DataArguments.load(output_dir)
+    test_sources = list(load_corpus(data_args)["test"]["source"])
+    figures = method_analysis(recipe, output_dir, test_sources, smoke)
+    curve = validation_curve(output_dir)
+    learning_curve(output_dir, f"{recipe.name}")
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    config = json.loads((output_dir / "config.json").read_text())
+    from flexformers.training_scripts.decode import load_model
+
+    model = load_model(output_dir)[0]
+    result = {
+        "recipe": dataclasses.asdict(recipe),
+        "smoke": smoke,
+        "parameters": sum(parameter.numel() for parameter in model.parameters()),
+        "architecture": {key: config.get(key) for key in ("encoder_layers", "decoder_layers", "encoder_embed_dim",
+                                                            "encoder_ffn_embed_dim", "encoder_normalize_before")},
+        "updates": state["global_step"],
+        "epochs": round(state.get("epoch") or 0.0, 2),
+        "training_seconds": round(sum(segment["seconds"] for segment in progress["segments"]), 1),
+        "sessions": len(progress["segments"]),
+        "machine": progress["segments"][-1]["machine"],
+        "test": {key: evaluation[key] for key in ("num_examples", "metrics", "copy_baseline", "gain_over_copy",
+                                                  "sacrebleu_signature", "chrf_signature", "ter_signature",
+                                                  "num_beams", "output_constraint")},
+        "validation_curve": curve,
+        "last_fifth_gain": last_fifth_gain(curve),
+        "figures": figures,
+    }
+    if export:
+        hub_dir = runs_dir / "hub" / recipe.name
+        code = export_to_hub.main([str(output_dir), str(hub_dir), "--overwrite"])
+        if code:
+            raise RuntimeError(f"exporting {output_dir} to {hub_dir} failed (exit {code})")
+        result["hub_folder"] = str(hub_dir)
+    result_path.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    return result
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Status and rendering
+# --------------------------------------------------------------------------------------------------------------
+def recipe_status(recipe: ZooRecipe, runs_dir: Path) -> str:
+    output_dir = runs_dir / recipe.name
+    if (output_dir / RESULT_FILE).is_file():
+        return "finished"
+    updates = trained_updates(output_dir)
+    return f"{updates}/{recipe.updates} updates" if updates else "not started"
+
+
+def _results(recipes: list[ZooRecipe], runs_dir: Path) -> list[dict]:
+    results = []
+    for recipe in recipes:
+        path = runs_dir / recipe.name / RESULT_FILE
+        if path.is_file():
+            results.append(json.loads(path.read_text()))
+    return results
+
+
+def _figure_text(result: dict) -> str:
+    figures = dict(result["figures"])
+    adaptive = figures.pop("depth_adaptive", None)
+    parts = [f"{name}: {value}" for name, value in figures.items()]
+    if adaptive:
+        parts.append(f"confidence exit: BLEU {adaptive['confidence']['bleu']:.2f} at average exit "
+                     f"{adaptive['confidence']['average_exit']:.2f}")
+    return "; ".join(parts).replace("|", "/")
+
+
+def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path) -> Path:
+    """Write ``docs_path`` (the zoo's table and plots, from every finished recipe) and its plots beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = _results(recipes, runs_dir)
+    plots_dir = docs_path.parent / "zoo"
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    lines = [
+        "# The zoo: trained models and the papers' claims",
+        "",
+        "Written by `flexformers-zoo render` from the finished recipes of `training_scripts/zoo_recipes.yaml`",
+        "(`flexformers-zoo run --all` trains them, resuming across sessions). Scores are on the whole test split,",
+        "beside copying the input on the same examples; a curve has flattened when its last fifth of updates gains",
+        f"< {FLAT_CURVE_GAIN} validation BLEU.",
+        "",
+        ("| recipe | claim | seed | params | updates | wall time | machine | test BLEU | chrF | TER | copy BLEU / chrF |"
+         " BLEU over copy | last-fifth gain | method figures |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        recipe, test = result["recipe"], result["test"]
+        metrics, copy = test["metrics"], test["copy_baseline"]
+        lines.append(
+            f"| {recipe['name']} | {recipe['claim']} | {recipe['seed']} | {result['parameters']:,} | "
+            f"{result['updates']:,} | {result['training_seconds'] / 60:.0f} min ({result['sessions']} run(s)) | "
+            f"{result['machine']} | {metrics['bleu']:.2f} | {metrics['chrf']:.2f} | {metrics['ter']:.2f} | "
+            f"{copy['bleu']:.2f} / {copy['chrf']:.2f} | {test['gain_over_copy']['bleu']:+.2f} | "
+            f"{result['last_fifth_gain'] if result['last_fifth_gain'] is not None else '—'} | {_figure_text(result)} |"
+        )
+    if not results:
+        lines += ["", "No recipe has finished yet: the table fills in as `flexformers-zoo run --all` completes them."]
+    pending = [f"`{recipe.name}` ({recipe_status(recipe, runs_dir)})" for recipe in recipes
+               if not (runs_dir / recipe.name / RESULT_FILE).is_file()]
+    if pending:
+        lines += ["", "Not finished yet: " + ", ".join(pending) + "."]
+    plots = []
+    for task in sorted({result["recipe"]["task"] for result in results}):
+        figure, axis = plt.subplots(figsize=(7.5, 4.2))
+        copy_line = None
+        for result in (r for r in results if r["recipe"]["task"] == task):
+            curve = result["validation_curve"]
+            if curve:
+                axis.plot([p["update"] for p in curve], [p["bleu"] for p in curve], marker=".",
+                          label=result["recipe"]["name"])
+                copy_line = curve[-1].get("copy_bleu") or copy_line
+        if copy_line is not None:
+            axis.axhline(copy_line, color="black", linestyle="--", label=f"copying the input ({copy_line:.1f})")
+        axis.set_xlabel("update")
+        axis.set_ylabel("validation BLEU (greedy, fixed subset)")
+        axis.set_title(f"learning curves: {task}")
+        axis.legend(fontsize=7)
+        figure.tight_layout()
+        path = plots_dir / f"curves_{task}.png"
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+        plots.append((f"Learning curves, {task}", path))
+    adaptive = [r for r in results if "depth_adaptive" in r["figures"]]
+    for result in adaptive:
+        figures = result["figures"]["depth_adaptive"]
+        figure, axis = plt.subplots(figsize=(6, 4))
+        fixed = sorted(figures["fixed_exits"].items(), key=lambda item: int(item[0]))
+        axis.plot([row["average_exit"] for _, row in fixed], [row["bleu"] for _, row in fixed], marker="s",
+                  label="fixed exit (test)")
+        axis.plot([figures["confidence"]["average_exit"]], [figures["confidence"]["bleu"]], marker="*",
+                  markersize=12, linestyle="none", label="confidence thresholds (test)")
+        front = figures["validation_pareto_front"]
+        axis.plot([row["average_exit"] for row in front], [row["bleu"] for row in front], marker="o", alpha=0.6,
+                  label="threshold sweep, Pareto front (validation)")
+        axis.set_xlabel("average exit (decoder blocks)")
+        axis.set_ylabel("BLEU")
+        axis.set_title(f"Depth-Adaptive: BLEU vs average exit ({result['recipe']['name']})", fontsize=9)
+        axis.legend(fontsize=7)
+        figure.tight_layout()
+        path = plots_dir / f"depth_adaptive_{result['recipe']['name']}.png"
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+        plots.append(("Depth-Adaptive: BLEU vs average exit", path))
+    indigo = [r for r in results if r["recipe"]["model_type"] == "indigo"]
+    if indigo:
+        figure, axis = plt.subplots(figsize=(6.5, 4))
+        names = [r["recipe"]["name"].removeprefix("indigo-") for r in indigo]
+        axis.bar(names, [r["test"]["metrics"]["bleu"] for r in indigo], color="tab:blue")
+        axis.axhline(indigo[0]["test"]["copy_baseline"]["bleu"], color="black", linestyle="--",
+                     label="copying the input")
+        axis.set_ylabel("test BLEU")
+        axis.set_title("InDIGO: generation orders (SAO vs L2R and the predefined orders)", fontsize=9)
+        axis.tick_params(axis="x", labelrotation=30, labelsize=7)
+        axis.legend(fontsize=7)
+        figure.tight_layout()
+        path = plots_dir / "indigo_orders.png"
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+        plots.append(("InDIGO: SAO vs L2R", path))
+    iot = [r for r in results if r["recipe"]["model_type"] == "iot"]
+    for result in iot:
+        usage = next((value for name, value in result["figures"].items() if "order usage" in name), None)
+        if not usage:
+            continue
+        figure, axis = plt.subplots(figsize=(5, 3.5))
+        axis.bar([str(code) for code in usage], list(usage.values()), color="tab:green")
+        axis.set_xlabel("decoder order (paper code)")
+        axis.set_ylabel("share of test sentences")
+        axis.set_title(f"IOT order usage ({result['recipe']['name']})", fontsize=9)
+        figure.tight_layout()
+        path = plots_dir / f"iot_usage_{result['recipe']['name']}.png"
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+        plots.append(("IOT order usage", path))
+    for title, path in plots:
+        lines += ["", f"### {title}", "", f"![{title}]({path.relative_to(docs_path.parent).as_posix()})"]
+    docs_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return docs_path
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flexformers-zoo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipes", default=str(DEFAULT_RECIPES), help="recipe file (default: the package's)")
+    parser.add_argument("--runs_dir", default="runs/zoo", help="where runs go (default: %(default)s)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("list", help="every recipe and how far it got")
+    run = commands.add_parser("run", help="train (resuming), evaluate and export recipes")
+    run.add_argument("names", nargs="*", help="recipes to run (see `list`)")
+    run.add_argument("--all", action="store_true", help="every recipe not finished, in file order")
+    run.add_argument("--smoke", action="store_true", help=f"{SMOKE_UPDATES} updates per recipe on a tiny subset (CI)")
+    run.add_argument("--no_export", action="store_true", help="skip the Hub folders")
+    render_parser = commands.add_parser("render", help="write docs/ZOO.md and its plots from the finished runs")
+    render_parser.add_argument("--docs", default="docs/ZOO.md", help="(default: %(default)s)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    try:
+        recipes = load_recipes(args.recipes)
+        runs_dir = Path(args.runs_dir)
+        if args.command == "list":
+            for recipe in recipes:
+                print(f"{recipe.name:36} {recipe.model_type:15} {recipe.task:12} {recipe_status(recipe, runs_dir)}")
+            return 0
+        if args.command == "render":
+            path = render(recipes, runs_dir, Path(args.docs))
+            print(f"wrote {path}")
+            return 0
+        if bool(args.names) == args.all:
+            raise ValueError("name the recipes to run, or pass --all (not both)")
+        known = {recipe.name: recipe for recipe in recipes}
+        unknown = [name for name in args.names if name not in known]
+        if unknown:
+            raise ValueError(f"no recipe named {', '.join(unknown)} (see `flexformers-zoo list`)")
+        chosen = recipes if args.all else [known[name] for name in args.names]
+        from tqdm.auto import tqdm
+
+        for recipe in tqdm(chosen, desc="zoo recipes", unit="recipe"):
+            result = run_recipe(recipe, runs_dir, smoke=args.smoke, export=not args.no_export)
+            test = result["test"]
+            print(f"{recipe.name}: test BLEU {test['metrics']['bleu']:.2f} "
+                  f"(copying {test['copy_baseline']['bleu']:.2f}) after {result['updates']} updates", flush=True)
+    except ValueError as error:
+        print(f"flexformers-zoo: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
