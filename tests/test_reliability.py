@@ -150,17 +150,22 @@ def test_methods_resume_exactly_after_being_killed_between_checkpoints(tmp_path,
 
 
 # ------------------------------------------------------------------------------ 2. a training command trains
+SHELL_BLOCK_LANGUAGES = ("", "bash", "sh", "shell", "console")
+
+
 def documented_train_commands() -> list[tuple[str, list[str]]]:
-    """Every ``flexformers-train`` command in the fenced code blocks of README.md and docs/*.md, in document order,
-    as (file name, argv without the program); ``...`` placeholders are dropped."""
+    """Every ``flexformers-train`` command in the fenced shell code blocks (```bash, ```sh, ```shell or unlabelled)
+    of README.md and docs/*.md, in document order, as (file name, argv without the program); ``...`` placeholders
+    are dropped. Blocks of printed output (```text) and of Python are not shell and are skipped."""
     commands = []
     for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
-        in_block, pending = False, ""
+        in_block, in_shell, pending = False, False, ""
         for line in path.read_text(encoding="utf-8").splitlines():
             if line.lstrip().startswith("```"):
                 in_block, pending = not in_block, ""
+                in_shell = in_block and line.strip()[3:].strip() in SHELL_BLOCK_LANGUAGES
                 continue
-            if not in_block:
+            if not in_shell:
                 continue
             pending += line.rstrip()[:-1] + " " if line.rstrip().endswith("\\") else line
             if line.rstrip().endswith("\\"):
