@@ -314,6 +314,32 @@ def test_quickstart_smoke(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model_type, figure", [
+    ("iot", "decoder order usage"),
+    ("mat", "attention branches"),
+    ("depth_adaptive", "confidence exit"),
+    ("indigo", "left-to-right share"),
+])
+def test_quickstart_runs_each_method_with_its_figures(tmp_path, capsys, model_type, figure):
+    """`flexformers-quickstart --model_type M`: the same job and summary (beside copying), plus the method's figure."""
+    from flexformers.training_scripts import quickstart
+
+    result = quickstart.run_from_argv(["--smoke", "--model_type", model_type, "--max_steps", "4",
+                                       "--output_dir", str(tmp_path / model_type)])
+    printed = capsys.readouterr().out
+    assert f"{model_type} on word_order, test set" in printed and "copying the input" in printed
+    assert json.loads((tmp_path / model_type / "config.json").read_text())["model_type"] == model_type
+    assert (tmp_path / model_type / "learning_curve.png").is_file()
+    (name, value), *_ = [(n, v) for n, v in result["figures"].items() if figure in n]
+    assert f"{name}: {value}" in printed
+    if model_type == "depth_adaptive":
+        exits = [v for n, v in result["figures"].items() if "average exit" in n]
+        assert len(exits) == 1 and 1.0 <= exits[0] <= 2.0  # the smoke model's 2 decoder blocks
+    if model_type == "iot":
+        assert sum(value.values()) == pytest.approx(1.0, abs=0.01)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", [m for m in available_model_types() if m != "flexformer"])
 def test_every_registered_model_type_trains_and_decodes(tmp_path, model_type):
     """The one entry point: each method module plugs into flexformers-train / flexformers-decode."""

@@ -126,7 +126,7 @@ def test_smoke_runs_resume_and_render(tmp_path):
         "  - {name: mat, task: word_order, model_type: mat, init_from: base, claim: mat}\n"
     ))
     runs = tmp_path / "runs"
-    argv = ["--recipes", str(path), "--runs_dir", str(runs)]
+    argv = ["--recipes", str(path), "--runs_dir", str(runs), "--records_dir", str(tmp_path / "records")]
     assert zoo.main([*argv, "run", "--all", "--smoke"]) == 0
     for name in ("base", "mat"):
         result = json.loads((runs / name / zoo.RESULT_FILE).read_text())
@@ -156,11 +156,73 @@ def test_smoke_runs_resume_and_render(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_deadline_stops_training_cleanly_and_the_next_run_resumes(tmp_path, monkeypatch):
+    """`run --max_minutes`: training stops at the deadline with a checkpoint, the recipe is left unfinished (no
+    evaluation, no result) with its segment recorded, and the next run resumes it to the end."""
+    path = write_recipes(tmp_path, "  - {name: base, task: word_order, model_type: flexformer, claim: baseline}\n")
+    (recipe,) = zoo.load_recipes(path)
+    runs = tmp_path / "runs"
+
+    class ZooClockBeforeTheDeadline:  # the zoo's own checks see time 0; training sees the real clock, long past 1.0
+        @staticmethod
+        def monotonic():
+            return 0.0
+
+    with monkeypatch.context() as patch:
+        patch.setattr(zoo, "time", ZooClockBeforeTheDeadline)
+        assert zoo.run_recipe(recipe, runs, smoke=True, export=False, deadline=1.0) is None
+    base = runs / "base"
+    assert zoo.trained_updates(base) == 1 and (base / "checkpoint-1").is_dir()
+    assert not (base / zoo.RESULT_FILE).exists()
+    assert zoo.run_recipe(recipe, runs, smoke=True, export=False, deadline=0.0) is None  # past: nothing starts
+    assert zoo.main(["--recipes", str(path), "--runs_dir", str(runs), "run", "base", "--smoke", "--no_export"]) == 0
+    segments = json.loads((base / zoo.PROGRESS_FILE).read_text())["segments"]
+    assert [(s["from_update"], s["to_update"]) for s in segments] == [(0, 1), (1, zoo.SMOKE_UPDATES)]
+    assert json.loads((base / zoo.RESULT_FILE).read_text())["updates"] == zoo.SMOKE_UPDATES
+
+
+@pytest.mark.slow
+def test_finished_recipes_are_recorded_for_later_sessions(tmp_path, capsys):
+    """A finished recipe's result goes to the committed records folder; on a machine without its run folder (a later
+    session) `run` counts it as finished, `list` says so, `render` reads the record, and a recipe initialised from
+    it names the missing run folder."""
+    path = write_recipes(tmp_path, (
+        "  - {name: base, task: word_order, model_type: flexformer, claim: baseline}\n"
+        "  - {name: mat, task: word_order, model_type: mat, init_from: base, claim: mat}\n"
+    ))
+    base, mat = zoo.load_recipes(path)
+    records = tmp_path / "records"
+    result = zoo.run_recipe(base, tmp_path / "session1", smoke=True, export=False, records_dir=records)
+    result = json.loads(json.dumps(result))  # as stored (tuples become lists)
+    assert json.loads((records / "base.json").read_text()) == result
+
+    later = tmp_path / "session2"
+    assert zoo.run_recipe(base, later, smoke=True, export=False, records_dir=records) == result
+    assert not (later / "base").exists()  # not trained again
+    argv = ["--recipes", str(path), "--runs_dir", str(later), "--records_dir", str(records)]
+    assert zoo.main([*argv, "list"]) == 0
+    assert "finished in another session" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="finished in another session .* whose run folder is not in"):
+        zoo.run_recipe(mat, later, smoke=True, export=False, records_dir=records)
+    docs = tmp_path / "docs" / "ZOO.md"
+    assert zoo.main([*argv, "render", "--docs", str(docs)]) == 0
+    assert "| base | baseline |" in docs.read_text() and "`mat` (not started)" in docs.read_text()
+
+
+def test_max_minutes_must_be_positive(tmp_path, capsys):
+    path = write_recipes(tmp_path, "  - {name: a, task: word_order, model_type: flexformer}\n")
+    assert zoo.main(["--recipes", str(path), "--runs_dir", str(tmp_path / "runs"), "run", "a", "--max_minutes", "0"]) == 1
+    assert "--max_minutes must be positive" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_every_shipped_recipe_runs_in_smoke_mode(tmp_path):
     """`flexformers-zoo run --all --smoke` on the committed recipe file: every recipe trains a few updates (the
     initialised ones from their smoke-trained parents), is decoded beside the copy baseline, analysed and exported."""
     runs = tmp_path / "runs"
-    assert zoo.main(["--runs_dir", str(runs), "run", "--all", "--smoke"]) == 0
+    argv = ["--runs_dir", str(runs), "--records_dir", str(tmp_path / "records")]
+    assert zoo.main([*argv, "run", "--all", "--smoke"]) == 0
+    assert not (tmp_path / "records").exists()  # smoke runs are not recorded
     recipes = zoo.load_recipes()
     for recipe in recipes:
         result = json.loads((runs / recipe.name / zoo.RESULT_FILE).read_text())
@@ -171,5 +233,5 @@ def test_every_shipped_recipe_runs_in_smoke_mode(tmp_path):
     iot = json.loads((runs / "iot-translation-s1" / zoo.RESULT_FILE).read_text())["figures"]
     assert any("order usage" in name for name in iot)
     docs = tmp_path / "ZOO.md"
-    assert zoo.main(["--runs_dir", str(runs), "render", "--docs", str(docs)]) == 0
+    assert zoo.main([*argv, "render", "--docs", str(docs)]) == 0
     assert all(f"| {recipe.name} |" in docs.read_text() for recipe in recipes)

@@ -197,7 +197,7 @@ def method_figures(model_type: str, output_dir: str, sources: list[str], limit: 
 
     if model_type == "flexformer":
         return {}
-    model, source_tokenizer, _ = load_model(output_dir)
+    model, source_tokenizer, target_tokenizer = load_model(output_dir)
     if model_type == "mat":
         config = model.config
         return {"attention branches (encoder/decoder)": f"{config.encoder_attention_branches}/"
@@ -210,9 +210,18 @@ def method_figures(model_type: str, output_dir: str, sources: list[str], limit: 
             return {"decoder order usage (paper code: share)": {code: round(count / len(decoder_codes), 3)
                                                                for code, count in sorted(usage.items())}}
         if model_type == "depth_adaptive":
-            exits = model.generate(**batch, max_new_tokens=64, return_exits=True).exits
-            emitted = exits[exits > 0].float()
-            return {"average exit (of {} blocks)".format(model.config.decoder_layers): round(emitted.mean().item(), 2)}
+            # the test decoding runs the full depth; here each token leaves at the first block whose classifier is
+            # confident enough (the paper's confidence thresholds, 0.5 unless configured), greedy on both sides
+            full = model.generate(**batch, max_new_tokens=64, num_beams=1, exit_strategy="full")
+            adaptive = model.generate(**batch, max_new_tokens=64, num_beams=1, exit_strategy="confidence",
+                                      return_exits=True)
+            emitted = adaptive.exits[adaptive.exits > 0].float()
+            texts = [target_tokenizer.batch_decode(ids, skip_special_tokens=True) for ids in (full, adaptive.sequences)]
+            same = [a == b for a, b in zip(*texts)]
+            blocks = model.config.decoder_layers
+            return {f"confidence exit (thresholds {model.config.default_exit_thresholds}), average exit of {blocks} "
+                    f"blocks": round(emitted.mean().item(), 2),
+                    "confidence exit, outputs equal to the full depth's (greedy)": round(sum(same) / len(same), 3)}
         if model_type == "indigo":
             # insertion index 0 is <s>, 1 is </s>, k + 2 the k-th generated word: a left-to-right step inserts the
             # k-th word right of word k - 1 (the first right of <s>)
@@ -279,7 +288,8 @@ def run_from_argv(argv: list[str] | None = None) -> dict:
         "--num_samples_to_print", "3",
     ])
     curve = learning_curve(args.output_dir, f"{args.model_type} on {args.task}")
-    figures = method_figures(args.model_type, args.output_dir, list(corpus["test"]["source"]))
+    figures = method_figures(args.model_type, args.output_dir, list(corpus["test"]["source"]),
+                             limit=12 if args.smoke else 200)
     state = json.loads((Path(args.output_dir) / "trainer_state.json").read_text())
     losses = [entry["loss"] for entry in state["log_history"] if "loss" in entry]
     first = sum(losses[:3]) / max(len(losses[:3]), 1) if losses else float("nan")

@@ -2,6 +2,7 @@
 
     flexformers-zoo list                       # every recipe and how far it got
     flexformers-zoo run --all                  # train what is not finished (resuming), evaluate, export
+    flexformers-zoo run --all --max_minutes 150  # ... stopping cleanly before a session's end; the next run goes on
     flexformers-zoo run baseline-translation-s1 iot-translation-s1
     flexformers-zoo render                     # docs/ZOO.md: the table and the plots, from the finished runs
     flexformers-zoo run --all --smoke          # every recipe for a few updates (CI)
@@ -12,6 +13,12 @@ and resumes the others. A finished recipe is decoded on the whole test split (BL
 signature, beside copying the input), analysed by its method (IOT order usage, Depth-Adaptive exits and a threshold
 sweep, InDIGO's insertion order) and exported as a Hub folder whose card carries the same numbers; its
 ``zoo_result.json`` is what ``render`` reads.
+
+A session's machine keeps only what is committed, so a finished recipe's result is also written to the records
+folder (``docs/zoo/results/<recipe>.json``, committed with ``docs/ZOO.md``): ``run`` counts a recorded recipe as
+finished and ``render`` reads the records of runs that are no longer on this machine. The weights are not in the
+record (``*.safetensors`` is not committed): a recipe that initialises another (MAT's proximal initialisation,
+InDIGO's SAO) needs its run folder on the machine.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ logger = logging.getLogger("flexformers.zoo")
 DEFAULT_RECIPES = Path(__file__).with_name("zoo_recipes.yaml")
 RESULT_FILE = "zoo_result.json"
 PROGRESS_FILE = "zoo_progress.json"
+DEFAULT_RECORDS_DIR = "docs/zoo/results"
 SMOKE_UPDATES = 3
 #: Validation BLEU gained over the last fifth of a run's updates below which its curve counts as flattened.
 FLAT_CURVE_GAIN = 0.5
@@ -246,25 +254,55 @@ def method_analysis(recipe: ZooRecipe, output_dir: Path, test_sources: list[str]
     return figures
 
 
-def run_recipe(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, export: bool = True) -> dict:
-    """Train (or resume) one recipe, then evaluate, analyse and export it; returns its ``zoo_result.json``."""
+def record_path(records_dir: Path | None, name: str) -> Path | None:
+    """Where the committed record of recipe ``name`` goes (None: records are not kept, as in smoke runs)."""
+    return None if records_dir is None else records_dir / f"{name}.json"
+
+
+def run_recipe(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, export: bool = True,
+               deadline: float | None = None, records_dir: Path | None = None) -> dict | None:
+    """Train (or resume) one recipe, then evaluate, analyse and export it; returns its ``zoo_result.json``.
+
+    With ``deadline`` (a ``time.monotonic()`` value), training stops there with a checkpoint saved and the recipe
+    is left unfinished (returns None) for the next run to resume; nothing new starts after it. With
+    ``records_dir``, a recipe recorded there (finished in an earlier session) is not run again, and a recipe that
+    finishes is recorded there."""
     from flexformers.training_scripts import decode, export_to_hub, train
     from flexformers.training_scripts.quickstart import learning_curve
 
     output_dir = runs_dir / recipe.name
     result_path = output_dir / RESULT_FILE
+    record = record_path(records_dir, recipe.name)
     if result_path.is_file():
-        return json.loads(result_path.read_text())
+        result = json.loads(result_path.read_text())
+        if record is not None and not record.is_file():
+            _write_record(record, result)
+        return result
+    if record is not None and record.is_file():
+        return json.loads(record.read_text())
     output_dir.mkdir(parents=True, exist_ok=True)
     target = SMOKE_UPDATES if smoke else recipe.updates
     done = trained_updates(output_dir)
     if not (output_dir / "model.safetensors").is_file() or done < target:
         if recipe.init_from and not (runs_dir / recipe.init_from / RESULT_FILE).is_file():
+            recorded = record_path(records_dir, recipe.init_from)
+            if recorded is not None and recorded.is_file():
+                raise ValueError(f"recipe {recipe.name!r} starts from the trained model of {recipe.init_from!r}, which "
+                                 f"finished in another session ({recorded}) but whose run folder is not in "
+                                 f"{runs_dir}: copy that folder here, or delete the record to train it again")
             raise ValueError(f"recipe {recipe.name!r} starts from {recipe.init_from!r}, which is not finished: "
                              f"run that one first")
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
         started = time.monotonic()
-        train.run(*train.parse_arguments(training_argv(recipe, output_dir, runs_dir, smoke)))
+        callbacks = [] if deadline is None else [train.MaxTimeCallback(deadline=deadline)]
+        train.run(*train.parse_arguments(training_argv(recipe, output_dir, runs_dir, smoke)),
+                  extra_callbacks=callbacks)
         _record_segment(output_dir, time.monotonic() - started, done, trained_updates(output_dir))
+        if trained_updates(output_dir) < target:
+            return None
+    if deadline is not None and time.monotonic() >= deadline:
+        return None
     progress = json.loads((output_dir / PROGRESS_FILE).read_text())
 
     evaluation = decode.run_from_argv([
@@ -310,26 +348,38 @@ def run_recipe(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, export: b
             raise RuntimeError(f"exporting {output_dir} to {hub_dir} failed (exit {code})")
         result["hub_folder"] = str(hub_dir)
     result_path.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    if record is not None:
+        _write_record(record, result)
     return result
+
+
+def _write_record(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Status and rendering
 # --------------------------------------------------------------------------------------------------------------
-def recipe_status(recipe: ZooRecipe, runs_dir: Path) -> str:
+def recipe_status(recipe: ZooRecipe, runs_dir: Path, records_dir: Path | None = None) -> str:
     output_dir = runs_dir / recipe.name
     if (output_dir / RESULT_FILE).is_file():
         return "finished"
+    record = record_path(records_dir, recipe.name)
+    if record is not None and record.is_file():
+        return "finished in another session (recorded; its weights are not on this machine)"
     updates = trained_updates(output_dir)
     return f"{updates}/{recipe.updates} updates" if updates else "not started"
 
 
-def _results(recipes: list[ZooRecipe], runs_dir: Path) -> list[dict]:
+def _results(recipes: list[ZooRecipe], runs_dir: Path, records_dir: Path | None = None) -> list[dict]:
+    """The result of every finished recipe, from its run folder or else from its committed record."""
     results = []
     for recipe in recipes:
-        path = runs_dir / recipe.name / RESULT_FILE
-        if path.is_file():
-            results.append(json.loads(path.read_text()))
+        for path in (runs_dir / recipe.name / RESULT_FILE, record_path(records_dir, recipe.name)):
+            if path is not None and path.is_file():
+                results.append(json.loads(path.read_text()))
+                break
     return results
 
 
@@ -343,21 +393,23 @@ def _figure_text(result: dict) -> str:
     return "; ".join(parts).replace("|", "/")
 
 
-def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path) -> Path:
-    """Write ``docs_path`` (the zoo's table and plots, from every finished recipe) and its plots beside it."""
+def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_dir: Path | None = None) -> Path:
+    """Write ``docs_path`` (the zoo's table and plots, from every finished recipe: its run folder, or else its
+    record) and its plots beside it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results = _results(recipes, runs_dir)
+    results = _results(recipes, runs_dir, records_dir)
     plots_dir = docs_path.parent / "zoo"
     plots_dir.mkdir(parents=True, exist_ok=True)
     lines = [
         "# The zoo: trained models and the papers' claims",
         "",
         "Written by `flexformers-zoo render` from the finished recipes of `training_scripts/zoo_recipes.yaml`",
-        "(`flexformers-zoo run --all` trains them, resuming across sessions). Scores are on the whole test split,",
+        "(`flexformers-zoo run --all` trains them, resuming across sessions; each finished recipe's full result,",
+        "curve included, is recorded in `docs/zoo/results/<recipe>.json`). Scores are on the whole test split,",
         "beside copying the input on the same examples; a curve has flattened when its last fifth of updates gains",
         f"< {FLAT_CURVE_GAIN} validation BLEU.",
         "",
@@ -377,8 +429,9 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path) -> Path:
         )
     if not results:
         lines += ["", "No recipe has finished yet: the table fills in as `flexformers-zoo run --all` completes them."]
-    pending = [f"`{recipe.name}` ({recipe_status(recipe, runs_dir)})" for recipe in recipes
-               if not (runs_dir / recipe.name / RESULT_FILE).is_file()]
+    finished = {result["recipe"]["name"] for result in results}
+    pending = [f"`{recipe.name}` ({recipe_status(recipe, runs_dir, records_dir)})" for recipe in recipes
+               if recipe.name not in finished]
     if pending:
         lines += ["", "Not finished yet: " + ", ".join(pending) + "."]
     plots = []
@@ -467,6 +520,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flexformers-zoo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipes", default=str(DEFAULT_RECIPES), help="recipe file (default: the package's)")
     parser.add_argument("--runs_dir", default="runs/zoo", help="where runs go (default: %(default)s)")
+    parser.add_argument("--records_dir", default=DEFAULT_RECORDS_DIR,
+                        help="committed results of finished recipes, read by `run`, `list` and `render` "
+                             "(default: %(default)s)")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("list", help="every recipe and how far it got")
     run = commands.add_parser("run", help="train (resuming), evaluate and export recipes")
@@ -474,6 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--all", action="store_true", help="every recipe not finished, in file order")
     run.add_argument("--smoke", action="store_true", help=f"{SMOKE_UPDATES} updates per recipe on a tiny subset (CI)")
     run.add_argument("--no_export", action="store_true", help="skip the Hub folders")
+    run.add_argument("--max_minutes", type=float, default=None,
+                     help="stop training cleanly after this many minutes (a checkpoint is saved; the next `run` "
+                          "resumes it); a recipe whose test evaluation has started still finishes it (a few minutes)")
     render_parser = commands.add_parser("render", help="write docs/ZOO.md and its plots from the finished runs")
     render_parser.add_argument("--docs", default="docs/ZOO.md", help="(default: %(default)s)")
     return parser
@@ -486,13 +545,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     try:
         recipes = load_recipes(args.recipes)
-        runs_dir = Path(args.runs_dir)
+        runs_dir, records_dir = Path(args.runs_dir), Path(args.records_dir)
         if args.command == "list":
             for recipe in recipes:
-                print(f"{recipe.name:36} {recipe.model_type:15} {recipe.task:12} {recipe_status(recipe, runs_dir)}")
+                print(f"{recipe.name:36} {recipe.model_type:15} {recipe.task:12} "
+                      f"{recipe_status(recipe, runs_dir, records_dir)}")
             return 0
         if args.command == "render":
-            path = render(recipes, runs_dir, Path(args.docs))
+            path = render(recipes, runs_dir, Path(args.docs), records_dir)
             print(f"wrote {path}")
             return 0
         if bool(args.names) == args.all:
@@ -502,10 +562,19 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise ValueError(f"no recipe named {', '.join(unknown)} (see `flexformers-zoo list`)")
         chosen = recipes if args.all else [known[name] for name in args.names]
+        if args.max_minutes is not None and args.max_minutes <= 0:
+            raise ValueError(f"--max_minutes must be positive, got {args.max_minutes:g}")
+        deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
         from tqdm.auto import tqdm
 
         for recipe in tqdm(chosen, desc="zoo recipes", unit="recipe"):
-            result = run_recipe(recipe, runs_dir, smoke=args.smoke, export=not args.no_export)
+            result = run_recipe(recipe, runs_dir, smoke=args.smoke, export=not args.no_export, deadline=deadline,
+                                records_dir=None if args.smoke else records_dir)
+            if result is None:
+                print(f"--max_minutes reached: {recipe.name} is at {trained_updates(runs_dir / recipe.name)} of "
+                      f"{SMOKE_UPDATES if args.smoke else recipe.updates} updates; `flexformers-zoo run` again "
+                      f"resumes it", flush=True)
+                break
             test = result["test"]
             print(f"{recipe.name}: test BLEU {test['metrics']['bleu']:.2f} "
                   f"(copying {test['copy_baseline']['bleu']:.2f}) after {result['updates']} updates", flush=True)
