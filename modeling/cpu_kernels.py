@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 _KEEP_MASK_RESOLUTION = 1 << 15
 
@@ -53,6 +54,26 @@ def dropout(hidden_states: torch.Tensor, p: float, training: bool) -> torch.Tens
 # Packed copies of linear weights for inference, keyed by the owning module (outside the module, so state dicts,
 # deepcopy and pickling never see them) and rebuilt whenever the weight changes (new storage or in-place update).
 _PACKED_WEIGHTS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+# Copies made from weights are keyed by (storage, version counter); fused optimizers (`AdamW(fused=True)`, the
+# Trainer's default `adamw_torch_fused`) write parameters in place without bumping the version counter, so the key
+# also holds the number of optimizer steps taken in this process — else a generation inside a training run (the
+# Trainer's evaluations) would use the weights of the first evaluation.
+_optimizer_steps = 0
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
+def weights_version(tensor: torch.Tensor) -> tuple:
+    """What changes whenever ``tensor``'s values may have: its storage, its version counter and the optimizer steps
+    taken in this process (the key of every copy made from weights)."""
+    return tensor.data_ptr(), tensor._version, _optimizer_steps, tensor.shape
 
 
 def _prepacking_possible() -> bool:
@@ -119,7 +140,7 @@ def linear(owner: nn.Module, inputs: torch.Tensor, weight: torch.Tensor, bias: t
     to turn it off."""
     rows = _packed_rows(inputs, weight, (bias,))
     if rows:
-        key = (weight.data_ptr(), weight._version, weight.shape)
+        key = weights_version(weight)
         entry = _PACKED_WEIGHTS.get(owner)
         if entry is None or entry[0] != key:
             entry = (key, _pack(weight.detach(), rows))
@@ -158,7 +179,7 @@ def fused_linears(owner: nn.Module, inputs: torch.Tensor, projections: Sequence[
         and (all(bias is None for bias in biases) or all(bias is not None for bias in biases))
     ):
         tensors = [projection.weight for projection in projections] + [bias for bias in biases if bias is not None]
-        key = tuple((tensor.data_ptr(), tensor._version, tensor.shape) for tensor in tensors)
+        key = tuple(weights_version(tensor) for tensor in tensors)
         entry = _PACKED_WEIGHTS.get(owner)
         if entry is None or entry[0] != key:
             with torch.no_grad():

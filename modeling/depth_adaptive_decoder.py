@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .cpu_kernels import weights_version
 from .depth_adaptive_cache import CopiedStateCache, deferring_copied_states
 from .depth_adaptive_equations import scale_gradient
 from .kv_caches import StepKVCollector
@@ -216,7 +217,7 @@ class DepthAdaptiveDecoder(FlexformerDecoder):
         weight changes, so the copied state's keys/values for every skipped block take a single matmul."""
         projections = [(layer.self_attn.k_proj, layer.self_attn.v_proj) for layer in self.layers]
         signature = tuple(
-            (tensor.data_ptr(), tensor._version, tensor.dtype)
+            (*weights_version(tensor), tensor.dtype)
             for pair in projections
             for projection in pair
             for tensor in (projection.weight, projection.bias)

@@ -1040,21 +1040,46 @@ def test_prepacked_inference_equals_plain_linear(always_prepack):
     assert model.model.decoder.layers[0].self_attn.q_proj.weight.grad is not None
 
 
-def test_prepacked_weights_follow_in_place_updates(always_prepack):
-    """An optimizer step changes the weights in place: the next inference call repacks them."""
+@pytest.mark.parametrize("optimizer", [
+    lambda parameters: torch.optim.SGD(parameters, lr=0.5),
+    # the Trainer's default (adamw_torch_fused): writes the weights without bumping their version counters
+    lambda parameters: torch.optim.AdamW(parameters, lr=0.05, fused=True),
+    lambda parameters: torch.optim.AdamW(parameters, lr=0.05, foreach=True),
+], ids=["sgd", "adamw-fused", "adamw-foreach"])
+def test_prepacked_weights_follow_in_place_updates(always_prepack, optimizer):
+    """An optimizer step changes the weights in place: the next inference call repacks them — also after a fused
+    optimizer's step, which leaves the version counters alone (so evaluations during training see the new weights)."""
     model = tiny_model()
     source, target = batch()
     with torch.no_grad():
         model(input_ids=source, decoder_input_ids=target)  # packs
     model.train()
     model(input_ids=source, labels=target).loss.backward()
-    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    optimizer(model.parameters()).step()
     model.eval()
     with torch.no_grad():
         packed = model(input_ids=source, decoder_input_ids=target).logits
         always_prepack.PREPACK_INFERENCE_WEIGHTS = False
         plain = model(input_ids=source, decoder_input_ids=target).logits
     torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_weights_version_changes_with_every_kind_of_in_place_update():
+    """The key of the copies made from weights (packed products, Depth-Adaptive's fused K/V): a fused optimizer step
+    leaves the version counter as it was, so the key also counts optimizer steps."""
+    from flexformers.modeling.cpu_kernels import weights_version
+
+    weight = torch.nn.Parameter(torch.randn(4, 4))
+    weight.grad = torch.randn(4, 4)
+    before = weights_version(weight)
+    version = weight._version
+    torch.optim.AdamW([weight], lr=0.1, fused=True).step()
+    assert weight._version == version  # what makes the version counter alone insufficient
+    assert weights_version(weight) != before
+    after_step = weights_version(weight)
+    with torch.no_grad():
+        weight.mul_(2)
+    assert weights_version(weight) != after_step
 
 
 def test_self_attention_projections_run_as_one_packed_product(always_prepack):

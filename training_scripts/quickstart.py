@@ -190,7 +190,8 @@ def learning_curve(output_dir: str | os.PathLike, task_name: str) -> Path:
 
 def method_figures(model_type: str, output_dir: str, sources: list[str], limit: int = 200) -> dict:
     """What the method does at inference on the first ``limit`` test sources: IOT's decoder-order usage,
-    Depth-Adaptive's average exit, InDIGO's share of left-to-right insertions, MAT's branches."""
+    Depth-Adaptive's average exit with confidence thresholds (and how many outputs that changes), InDIGO's share of
+    left-to-right insertions, MAT's branches."""
     import torch
 
     from flexformers.training_scripts.decode import load_model
@@ -203,6 +204,8 @@ def method_figures(model_type: str, output_dir: str, sources: list[str], limit: 
         return {"attention branches (encoder/decoder)": f"{config.encoder_attention_branches}/"
                 f"{config.decoder_attention_branches}", "drop-branch rate": getattr(config, "drop_branch_rate", None)}
     batch = source_tokenizer(sources[:limit], return_tensors="pt", padding=True)
+    # max_length=None: the saved generation config's (Trainer writes 20) would only warn beside max_new_tokens
+    lengths = {"max_new_tokens": 64, "max_length": None}
     with torch.no_grad():
         if model_type == "iot":
             _, decoder_codes = model.predict_orders(batch["input_ids"], batch["attention_mask"])
@@ -212,8 +215,8 @@ def method_figures(model_type: str, output_dir: str, sources: list[str], limit: 
         if model_type == "depth_adaptive":
             # the test decoding runs the full depth; here each token leaves at the first block whose classifier is
             # confident enough (the paper's confidence thresholds, 0.5 unless configured), greedy on both sides
-            full = model.generate(**batch, max_new_tokens=64, num_beams=1, exit_strategy="full")
-            adaptive = model.generate(**batch, max_new_tokens=64, num_beams=1, exit_strategy="confidence",
+            full = model.generate(**batch, **lengths, num_beams=1, exit_strategy="full")
+            adaptive = model.generate(**batch, **lengths, num_beams=1, exit_strategy="confidence",
                                       return_exits=True)
             emitted = adaptive.exits[adaptive.exits > 0].float()
             texts = [target_tokenizer.batch_decode(ids, skip_special_tokens=True) for ids in (full, adaptive.sequences)]
@@ -225,7 +228,7 @@ def method_figures(model_type: str, output_dir: str, sources: list[str], limit: 
         if model_type == "indigo":
             # insertion index 0 is <s>, 1 is </s>, k + 2 the k-th generated word: a left-to-right step inserts the
             # k-th word right of word k - 1 (the first right of <s>)
-            trace = model.generate(**batch, max_new_tokens=64, return_insertion_trace=True).insertion_trace
+            trace = model.generate(**batch, **lengths, return_insertion_trace=True).insertion_trace
             steps = [(k, step) for sentence in trace for k, step in enumerate(sentence)]
             left_to_right = sum(1 for k, (_, anchor, side, _) in steps if side == "right" and anchor == (k + 1 if k else 0))
             return {"insertions right of the previous word (left-to-right share)":
