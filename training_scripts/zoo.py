@@ -186,7 +186,19 @@ def machine_description() -> str:
 
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)}"
-    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} CPU threads"
+    return f"{_cpu_model() or platform.processor() or platform.machine()}, {torch.get_num_threads()} CPU threads"
+
+
+def _cpu_model() -> str | None:
+    """The CPU's model name (Linux), e.g. "AMD EPYC 7B13"; None where /proc/cpuinfo does not say."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def trained_updates(output_dir: Path) -> int:
@@ -210,8 +222,11 @@ def _record_segment(output_dir: Path, seconds: float, from_step: int, to_step: i
 def validation_curve(output_dir: Path) -> list[dict]:
     """(update, validation BLEU/chrF, copy BLEU) of every curve point in the run's history."""
     state = json.loads((output_dir / "trainer_state.json").read_text())
-    return [{"update": entry["step"], "bleu": entry["eval_bleu"], "chrf": entry.get("eval_chrf"),
-             "copy_bleu": entry.get("eval_copy_bleu")} for entry in state["log_history"] if "eval_bleu" in entry]
+    # the last update is evaluated twice (its curve point and the end of training): one point per update
+    points = {entry["step"]: {"update": entry["step"], "bleu": entry["eval_bleu"], "chrf": entry.get("eval_chrf"),
+                              "copy_bleu": entry.get("eval_copy_bleu")}
+              for entry in state["log_history"] if "eval_bleu" in entry}
+    return list(points.values())
 
 
 def last_fifth_gain(curve: list[dict]) -> float | None:
