@@ -194,6 +194,30 @@ def test_incremental_early_exit_equals_recomputation_with_the_same_exits_and_cop
         assert exits.unique().numel() > 1, "the test should exercise mixed exits within a batch"
 
 
+def test_copied_key_values_follow_a_fused_optimizer_step():
+    """The copied states' K/V use all blocks' projections fused into one matrix, rebuilt when a weight changes — also
+    after a fused AdamW step (the Trainer's default), which writes the weights without bumping their versions."""
+    model = make_model(seed=5)
+    decoder = model.model.decoder
+    states = torch.randn(3, 2, TINY["decoder_embed_dim"])
+
+    def per_block_reference():
+        return [decoder.layers[i].self_attn.project_key_value(states) for i in (1, 2)]
+
+    with torch.no_grad():
+        decoder.copied_key_values(1, states)  # builds the fused matrix
+    model.train()
+    source, target = make_batch()
+    model(input_ids=source, labels=target).loss.backward()
+    torch.optim.AdamW(model.parameters(), lr=0.05, fused=True).step()
+    model.eval()
+    with torch.no_grad():
+        for (keys, values), (reference_keys, reference_values) in zip(decoder.copied_key_values(1, states),
+                                                                      per_block_reference()):
+            torch.testing.assert_close(keys, reference_keys)
+            torch.testing.assert_close(values, reference_values)
+
+
 def test_copied_states_feed_the_upper_blocks_keys_and_values():
     """A token that exits at block 1 leaves, in every block above, that block's K/V projections of h¹."""
     model = make_model(seed=5)

@@ -291,7 +291,7 @@ def run_recipe(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, export: b
     if result_path.is_file():
         result = json.loads(result_path.read_text())
         if record is not None and not record.is_file():
-            _write_record(record, result)
+            _write_result(record, result)
         return result
     if record is not None and record.is_file():
         return json.loads(record.read_text())
@@ -362,13 +362,14 @@ def run_recipe(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, export: b
         if code:
             raise RuntimeError(f"exporting {output_dir} to {hub_dir} failed (exit {code})")
         result["hub_folder"] = str(hub_dir)
-    result_path.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
-    if record is not None:
-        _write_record(record, result)
+    for path in (result_path, record):
+        if path is not None:
+            _write_result(path, result)
     return result
 
 
-def _write_record(path: Path, result: dict) -> None:
+def _write_result(path: Path, result: dict) -> None:
+    """A recipe's result as JSON: its run folder's ``zoo_result.json`` or its committed record."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
 
