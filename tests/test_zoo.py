@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -92,10 +93,50 @@ def test_the_command_line_names_bad_requests(tmp_path, capsys):
 
 def test_last_fifth_gain_reads_the_flattening_criterion():
     rising = [{"update": u, "bleu": b} for u, b in [(1000, 10), (2000, 20), (3000, 25), (4000, 28), (5000, 30)]]
-    assert zoo.last_fifth_gain(rising) == 2.0  # from update 4000 (the last point at or before 80 %) to the best after
+    assert zoo.last_fifth_gain(rising) == 2.0  # one point in each window: update 5000 against update 4000
     flat = [{"update": u, "bleu": b} for u, b in [(1000, 10), (2000, 20), (3000, 25), (4000, 30.0), (5000, 30.3)]]
     assert zoo.last_fifth_gain(flat) == pytest.approx(0.3)
-    assert zoo.last_fifth_gain(flat[:2]) is None  # too few points to say
+    assert zoo.last_fifth_gain(flat[:1]) is None  # too few points to say
+    assert zoo.last_fifth_gain([]) is None
+
+
+def test_last_fifth_gain_averages_each_window_so_one_noisy_point_does_not_decide():
+    # baseline-translation-s1's curve (updates 1k-15k): a plateau with +-1 BLEU point noise
+    s1 = [4.04, 6.34, 11.93, 16.79, 18.36, 18.78, 19.68, 20.45, 21.35, 21.58, 22.78, 21.73, 20.73, 23.51, 21.49]
+    curve = [{"update": 1000 * (i + 1), "bleu": b} for i, b in enumerate(s1)]
+    # updates 13k-15k against 10k-12k (9k is the 60 % boundary, outside both windows)
+    expected = (20.73 + 23.51 + 21.49) / 3 - (21.58 + 22.78 + 21.73) / 3
+    assert zoo.last_fifth_gain(curve) == pytest.approx(round(expected, 2))
+    assert zoo.last_fifth_gain(curve) < zoo.FLAT_CURVE_GAIN
+    # the same run stopped at 10k is still climbing, whichever single point is noisy
+    assert zoo.last_fifth_gain(curve[:10]) == pytest.approx(round((21.35 + 21.58) / 2 - (19.68 + 20.45) / 2, 2))
+    assert zoo.last_fifth_gain(curve[:10]) > zoo.FLAT_CURVE_GAIN
+
+
+def _result(name: str, task: str, claim: str, seed: int, bleu: float, chrf: float = 50.0) -> dict:
+    return {"recipe": {"name": name, "task": task, "claim": claim, "seed": seed},
+            "test": {"metrics": {"bleu": bleu, "chrf": chrf}}}
+
+
+def test_seed_spread_groups_the_seeds_of_one_configuration_and_methods_are_read_against_it():
+    results = [_result("baseline-translation-s1", "translation", "baseline", 1, 36.0, 56.0),
+               _result("baseline-translation-s2", "translation", "baseline", 2, 37.0, 57.0),
+               _result("baseline-translation-s3", "translation", "baseline", 3, 38.0, 55.0),
+               _result("baseline-word-order-s1", "word_order", "baseline", 1, 60.0),
+               _result("mat-proximal-translation-s1", "mat", "mat", 1, 39.0),
+               _result("indigo-l2r-word-order", "word_order", "indigo", 1, 50.0)]
+    results[4]["recipe"]["task"] = "translation"
+    spread = zoo.seed_spread(results)
+    assert [row["group"] for row in spread] == ["baseline-translation"]  # single seeds have no spread
+    row = spread[0]
+    assert row["seeds"] == [1, 2, 3]
+    assert row["bleu"] == {"mean": 37.0, "sd": 1.0, "min": 36.0, "max": 38.0}
+    assert row["chrf"]["mean"] == 56.0 and row["chrf"]["sd"] == 1.0
+    compared = zoo.against_baseline(results, spread)
+    # word order has one baseline seed: no spread to read InDIGO against yet
+    assert [(r["recipe"], r["difference"], r["in_sd"]) for r in compared] == [("mat-proximal-translation-s1", 2.0, 2.0)]
+    assert zoo.seed_group("baseline-translation-s12") == "baseline-translation"
+    assert zoo.seed_group("baseline-translation-half") == "baseline-translation-half"
 
 
 def test_training_argv_resumes_and_initialises(tmp_path):
@@ -207,6 +248,43 @@ def test_finished_recipes_are_recorded_for_later_sessions(tmp_path, capsys):
     docs = tmp_path / "docs" / "ZOO.md"
     assert zoo.main([*argv, "render", "--docs", str(docs)]) == 0
     assert "| base | baseline |" in docs.read_text() and "`mat` (not started)" in docs.read_text()
+
+
+def test_a_task_budget_applies_to_its_recipes_unless_one_sets_its_own(tmp_path):
+    header = RECIPE_HEADER.replace("    warmup_steps: 1\n", "    warmup_steps: 1\n    updates: 7\n")
+    path = write_recipes(tmp_path, ("  - {name: a, task: word_order, model_type: flexformer}\n"
+                                    "  - {name: b, task: word_order, model_type: flexformer, updates: 2}\n"), header)
+    a, b = zoo.load_recipes(path)
+    assert (a.updates, b.updates) == (7, 2)
+    assert zoo.load_recipes(write_recipes(tmp_path, "  - {name: a, task: word_order, model_type: flexformer}\n"))[0] \
+        .updates == 3  # no task budget: the defaults'
+
+
+@pytest.mark.slow
+def test_a_finished_recipe_whose_budget_grew_trains_on_from_its_last_checkpoint(tmp_path, monkeypatch):
+    path = write_recipes(tmp_path, "  - {name: base, task: word_order, model_type: flexformer, claim: baseline}\n")
+    (recipe,) = zoo.load_recipes(path)
+    runs, records = tmp_path / "runs", tmp_path / "records"
+    first = zoo.run_recipe(recipe, runs, smoke=True, export=False, records_dir=records)
+    assert first["updates"] == zoo.SMOKE_UPDATES
+    monkeypatch.setattr(zoo, "SMOKE_UPDATES", zoo.SMOKE_UPDATES + 2)  # the budget grows by two updates
+    grown = dataclasses.replace(recipe, updates=zoo.SMOKE_UPDATES)
+    assert zoo.recipe_status(grown, runs, records) == f"{first['updates']}/{grown.updates} updates"
+    assert zoo._results([grown], runs, records) == []  # not rendered as finished
+    second = zoo.run_recipe(grown, runs, smoke=True, export=False, records_dir=records)
+    assert second["updates"] == zoo.SMOKE_UPDATES
+    segments = json.loads((runs / "base" / zoo.PROGRESS_FILE).read_text())["segments"]
+    assert [(s["from_update"], s["to_update"]) for s in segments] == [(0, first["updates"]),
+                                                                       (first["updates"], zoo.SMOKE_UPDATES)]
+    # one curve, continued: the first run's points are kept
+    assert [p["update"] for p in second["validation_curve"]] == [2, 3, 4, 5]
+    assert json.loads((records / "base.json").read_text())["updates"] == zoo.SMOKE_UPDATES
+    assert zoo.recipe_status(grown, runs, records) == "finished"
+
+    # a later machine without the run folder cannot train on from the recorded updates: it says what to do
+    with pytest.raises(ValueError, match="budget grew from 5 to 7 updates, but the checkpoints .* copy its run"):
+        zoo.run_recipe(dataclasses.replace(recipe, updates=7), tmp_path / "elsewhere", smoke=False, export=False,
+                       records_dir=records)
 
 
 def test_max_minutes_must_be_positive(tmp_path, capsys):

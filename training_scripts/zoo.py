@@ -29,6 +29,8 @@ import json
 import logging
 import os
 import platform
+import re
+import statistics
 import sys
 import time
 from datetime import datetime, timezone
@@ -48,7 +50,9 @@ FLAT_CURVE_GAIN = 0.5
 RECIPE_FIELDS = {"name", "task", "model_type", "seed", "updates", "size", "overrides", "flags", "init_from", "claim",
                  "eval_every", "eval_samples", "test_beams"}
 TASK_FIELDS = {"what", "data", "vocab_size", "max_source_length", "max_target_length", "batch_size", "learning_rate",
-               "warmup_steps"}
+               "warmup_steps", "updates"}
+#: Task fields that may be left out: a description, and a budget in updates for the task's recipes (else defaults').
+OPTIONAL_TASK_FIELDS = {"what", "updates"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +91,7 @@ def load_recipes(path: str | os.PathLike = DEFAULT_RECIPES) -> list[ZooRecipe]:
         raise ValueError(f"{path} needs a non-empty 'recipes:' list")
     tasks = document.get("tasks") or {}
     for task, settings in tasks.items():
-        missing = TASK_FIELDS - {"what"} - set(settings or {})
+        missing = TASK_FIELDS - OPTIONAL_TASK_FIELDS - set(settings or {})
         unknown = set(settings or {}) - TASK_FIELDS
         if missing or unknown:
             raise ValueError(f"{path}: task {task!r}: " + "; ".join(
@@ -99,7 +103,9 @@ def load_recipes(path: str | os.PathLike = DEFAULT_RECIPES) -> list[ZooRecipe]:
         if not isinstance(entry, dict) or "name" not in entry:
             raise ValueError(f"{path}: recipe {index} has no name")
         name = entry["name"]
-        fields = {**{k: v for k, v in defaults.items() if k in RECIPE_FIELDS}, **entry}
+        task_budget = {key: value for key, value in (tasks.get(entry.get("task", defaults.get("task"))) or {}).items()
+                       if key == "updates"}
+        fields = {**{k: v for k, v in defaults.items() if k in RECIPE_FIELDS}, **task_budget, **entry}
         unknown = set(entry) - RECIPE_FIELDS
         if unknown:
             raise ValueError(f"{path}: recipe {name!r}: unknown field(s) {', '.join(sorted(unknown))}")
@@ -230,16 +236,22 @@ def validation_curve(output_dir: Path) -> list[dict]:
 
 
 def last_fifth_gain(curve: list[dict]) -> float | None:
-    """Validation BLEU gained over the last fifth of the updates (the best point there minus the point where that
-    fifth starts): below :data:`FLAT_CURVE_GAIN`, the curve has flattened."""
-    if len(curve) < 3:
+    """Validation BLEU gained over the last fifth of the updates, the zoo's flattening criterion (the zoo issue's
+    "the last fifth of its updates gains < 0.5 BLEU"): the mean of the curve points in the last fifth minus the mean
+    of those in the fifth before. Below :data:`FLAT_CURVE_GAIN`, the curve has flattened.
+
+    Means of windows rather than two single points because neighbouring greedy points on the fixed 300-example
+    subset differ by 1.4 BLEU on average where a run has plateaued (baseline-translation-s1, updates 9k-15k: standard
+    deviation 0.9 around its mean), more than the 0.5 BLEU threshold: a difference of single points measures that
+    noise. None when either window holds no point."""
+    if not curve:
         return None
     last_update = curve[-1]["update"]
-    start = [point for point in curve if point["update"] <= 0.8 * last_update]
-    if not start:
+    last = [point["bleu"] for point in curve if point["update"] > 0.8 * last_update]
+    before = [point["bleu"] for point in curve if 0.6 * last_update < point["update"] <= 0.8 * last_update]
+    if not last or not before:
         return None
-    tail = [point["bleu"] for point in curve if point["update"] >= start[-1]["update"]]
-    return round(max(tail) - start[-1]["bleu"], 2)
+    return round(sum(last) / len(last) - sum(before) / len(before), 2)
 
 
 def method_analysis(recipe: ZooRecipe, output_dir: Path, test_sources: list[str], smoke: bool) -> dict:
@@ -288,15 +300,26 @@ def run_recipe(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, export: b
     output_dir = runs_dir / recipe.name
     result_path = output_dir / RESULT_FILE
     record = record_path(records_dir, recipe.name)
+    target = SMOKE_UPDATES if smoke else recipe.updates
     if result_path.is_file():
         result = json.loads(result_path.read_text())
-        if record is not None and not record.is_file():
-            _write_result(record, result)
-        return result
+        if result["updates"] >= target:
+            if record is not None and not record.is_file():
+                _write_result(record, result)
+            return result
+        # Its budget grew after it finished: it trains on from its last checkpoint. The inverse-sqrt learning rate
+        # does not depend on the budget, so this is the run that the larger budget would have been from the start.
+        result_path.unlink()
     if record is not None and record.is_file():
-        return json.loads(record.read_text())
+        recorded = json.loads(record.read_text())
+        if recorded["updates"] >= target:
+            return recorded
+        if trained_updates(output_dir) < recorded["updates"]:
+            raise ValueError(f"recipe {recipe.name!r}'s budget grew from {recorded['updates']} to {target} updates, "
+                             f"but the checkpoints of its {recorded['updates']} recorded updates are not in "
+                             f"{output_dir}: copy its run folder there to train on, or delete {record} to train it "
+                             f"again from the start")
     output_dir.mkdir(parents=True, exist_ok=True)
-    target = SMOKE_UPDATES if smoke else recipe.updates
     done = trained_updates(output_dir)
     if not (output_dir / "model.safetensors").is_file() or done < target:
         if recipe.init_from and not (runs_dir / recipe.init_from / RESULT_FILE).is_file():
@@ -377,26 +400,79 @@ def _write_result(path: Path, result: dict) -> None:
 # --------------------------------------------------------------------------------------------------------------
 # Status and rendering
 # --------------------------------------------------------------------------------------------------------------
+def _finished(result: dict, recipe: ZooRecipe) -> bool:
+    """Whether a recipe's result is final: trained for as many updates as its budget (:data:`SMOKE_UPDATES` for a
+    smoke run), which may have grown since it finished (the recipe then trains on)."""
+    return result["updates"] >= (SMOKE_UPDATES if result["smoke"] else recipe.updates)
+
+
 def recipe_status(recipe: ZooRecipe, runs_dir: Path, records_dir: Path | None = None) -> str:
     output_dir = runs_dir / recipe.name
-    if (output_dir / RESULT_FILE).is_file():
+    result_path = output_dir / RESULT_FILE
+    if result_path.is_file() and _finished(json.loads(result_path.read_text()), recipe):
         return "finished"
     record = record_path(records_dir, recipe.name)
-    if record is not None and record.is_file():
+    recorded = json.loads(record.read_text()) if record is not None and record.is_file() else None
+    if recorded is not None and _finished(recorded, recipe):
         return "finished in another session (recorded; its weights are not on this machine)"
-    updates = trained_updates(output_dir)
+    updates = max(trained_updates(output_dir), recorded["updates"] if recorded else 0)
     return f"{updates}/{recipe.updates} updates" if updates else "not started"
 
 
 def _results(recipes: list[ZooRecipe], runs_dir: Path, records_dir: Path | None = None) -> list[dict]:
-    """The result of every finished recipe, from its run folder or else from its committed record."""
+    """The result of every finished recipe, from its run folder or else from its committed record (one of fewer
+    updates than the recipe's budget now asks for is not finished)."""
     results = []
     for recipe in recipes:
         for path in (runs_dir / recipe.name / RESULT_FILE, record_path(records_dir, recipe.name)):
             if path is not None and path.is_file():
-                results.append(json.loads(path.read_text()))
+                result = json.loads(path.read_text())
+                if _finished(result, recipe):
+                    results.append(result)
                 break
     return results
+
+
+def seed_group(name: str) -> str:
+    """A recipe's name without its seed suffix (``baseline-translation-s2`` -> ``baseline-translation``): the recipes
+    that differ only by their seed."""
+    return re.sub(r"-s\d+$", "", name)
+
+
+def seed_spread(results: list[dict]) -> list[dict]:
+    """Test BLEU and chrF over the seeds of every configuration finished with two seeds or more: the spread that a
+    difference between two configurations is read against (sample standard deviation)."""
+    groups: dict[str, list[dict]] = {}
+    for result in results:
+        groups.setdefault(seed_group(result["recipe"]["name"]), []).append(result)
+    spread = []
+    for group, members in groups.items():
+        if len(members) < 2:
+            continue
+        row = {"group": group, "task": members[0]["recipe"]["task"], "claim": members[0]["recipe"]["claim"],
+               "seeds": sorted(member["recipe"]["seed"] for member in members)}
+        for metric in ("bleu", "chrf"):
+            values = [member["test"]["metrics"][metric] for member in members]
+            row[metric] = {"mean": round(statistics.mean(values), 2), "sd": round(statistics.stdev(values), 2),
+                           "min": min(values), "max": max(values)}
+        spread.append(row)
+    return spread
+
+
+def against_baseline(results: list[dict], spread: list[dict]) -> list[dict]:
+    """Every method's test BLEU minus the mean of its task's baseline seeds, in units of their standard deviation."""
+    baselines = {row["task"]: row for row in spread if row["claim"] == "baseline"}
+    rows = []
+    for result in results:
+        recipe = result["recipe"]
+        baseline = baselines.get(recipe["task"])
+        if recipe["claim"] == "baseline" or baseline is None:
+            continue
+        difference = result["test"]["metrics"]["bleu"] - baseline["bleu"]["mean"]
+        rows.append({"recipe": recipe["name"], "claim": recipe["claim"], "bleu": result["test"]["metrics"]["bleu"],
+                     "baseline": baseline, "difference": round(difference, 2),
+                     "in_sd": round(difference / baseline["bleu"]["sd"], 1) if baseline["bleu"]["sd"] else None})
+    return rows
 
 
 def _figure_text(result: dict) -> str:
@@ -426,8 +502,10 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
         "Written by `flexformers-zoo render` from the finished recipes of `training_scripts/zoo_recipes.yaml`",
         "(`flexformers-zoo run --all` trains them, resuming across sessions; each finished recipe's full result,",
         "curve included, is recorded in `docs/zoo/results/<recipe>.json`). Scores are on the whole test split,",
-        "beside copying the input on the same examples; a curve has flattened when its last fifth of updates gains",
-        f"< {FLAT_CURVE_GAIN} validation BLEU.",
+        "beside copying the input on the same examples. A curve has flattened when its last fifth of updates gains",
+        f"< {FLAT_CURVE_GAIN} validation BLEU: the mean of its points in the last fifth minus the mean of those in the",
+        "fifth before (one point on the fixed greedy subset moves by about 1 BLEU between evaluations, so two single",
+        "points would measure that noise).",
         "",
         ("| recipe | claim | seed | params | updates | wall time | machine | test BLEU | chrF | TER | copy BLEU / chrF |"
          " BLEU over copy | last-fifth gain | method figures |"),
@@ -436,13 +514,37 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
     for result in results:
         recipe, test = result["recipe"], result["test"]
         metrics, copy = test["metrics"], test["copy_baseline"]
+        gain = last_fifth_gain(result["validation_curve"])  # from the curve, so every row follows today's criterion
         lines.append(
             f"| {recipe['name']} | {recipe['claim']} | {recipe['seed']} | {result['parameters']:,} | "
             f"{result['updates']:,} | {result['training_seconds'] / 60:.0f} min ({result['sessions']} run(s)) | "
             f"{result['machine']} | {metrics['bleu']:.2f} | {metrics['chrf']:.2f} | {metrics['ter']:.2f} | "
             f"{copy['bleu']:.2f} / {copy['chrf']:.2f} | {test['gain_over_copy']['bleu']:+.2f} | "
-            f"{result['last_fifth_gain'] if result['last_fifth_gain'] is not None else '—'} | {_figure_text(result)} |"
+            f"{'—' if gain is None else gain} | {_figure_text(result)} |"
         )
+    spread = seed_spread(results)
+    if spread:
+        lines += ["", "### Seed spread", "",
+                  "Test scores over the seeds of each configuration (sample standard deviation): a difference between "
+                  "two configurations smaller than about two of these is not a difference.", "",
+                  "| configuration | task | seeds | test BLEU mean ± sd | min – max | chrF mean ± sd |",
+                  "|---|---|---|---|---|---|"]
+        for row in spread:
+            bleu, chrf = row["bleu"], row["chrf"]
+            lines.append(f"| {row['group']} | {row['task']} | {', '.join(map(str, row['seeds']))} | "
+                         f"{bleu['mean']:.2f} ± {bleu['sd']:.2f} | {bleu['min']:.2f} – {bleu['max']:.2f} | "
+                         f"{chrf['mean']:.2f} ± {chrf['sd']:.2f} |")
+    compared = against_baseline(results, spread)
+    if compared:
+        lines += ["", "### Against the baseline's seeds", "",
+                  "| recipe | claim | test BLEU | baseline mean ± sd (seeds) | difference | in baseline sd |",
+                  "|---|---|---|---|---|---|"]
+        for row in compared:
+            baseline = row["baseline"]
+            in_sd = "—" if row["in_sd"] is None else f"{row['in_sd']:+.1f}"
+            lines.append(f"| {row['recipe']} | {row['claim']} | {row['bleu']:.2f} | {baseline['bleu']['mean']:.2f} ± "
+                         f"{baseline['bleu']['sd']:.2f} ({len(baseline['seeds'])}) | {row['difference']:+.2f} | "
+                         f"{in_sd} |")
     if not results:
         lines += ["", "No recipe has finished yet: the table fills in as `flexformers-zoo run --all` completes them."]
     finished = {result["recipe"]["name"] for result in results}
