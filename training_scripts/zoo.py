@@ -138,13 +138,18 @@ def load_recipes(path: str | os.PathLike = DEFAULT_RECIPES) -> list[ZooRecipe]:
 # --------------------------------------------------------------------------------------------------------------
 # Running one recipe
 # --------------------------------------------------------------------------------------------------------------
+def budget(recipe: ZooRecipe, smoke: bool = False) -> int:
+    """The updates a recipe trains for: its budget, or :data:`SMOKE_UPDATES` in smoke mode."""
+    return SMOKE_UPDATES if smoke else recipe.updates
+
+
 def training_argv(recipe: ZooRecipe, output_dir: Path, runs_dir: Path, smoke: bool = False) -> list[str]:
     """The ``flexformers-train`` command line of a recipe (resuming when ``output_dir`` holds a checkpoint)."""
     from flexformers.training_scripts.checkpoints import find_latest_complete_checkpoint
     from flexformers.training_scripts.quickstart import FAST_RECIPE, MODEL_SIZES
 
     task = recipe.task_settings
-    updates = SMOKE_UPDATES if smoke else recipe.updates
+    updates = budget(recipe, smoke)
     eval_every = 2 if smoke else recipe.eval_every
     argv = [
         "--model_type", recipe.model_type,
@@ -300,7 +305,7 @@ def run_recipe(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, export: b
     output_dir = runs_dir / recipe.name
     result_path = output_dir / RESULT_FILE
     record = record_path(records_dir, recipe.name)
-    target = SMOKE_UPDATES if smoke else recipe.updates
+    target = budget(recipe, smoke)
     if result_path.is_file():
         result = json.loads(result_path.read_text())
         if result["updates"] >= target:
@@ -403,7 +408,7 @@ def _write_result(path: Path, result: dict) -> None:
 def _finished(result: dict, recipe: ZooRecipe) -> bool:
     """Whether a recipe's result is final: trained for as many updates as its budget (:data:`SMOKE_UPDATES` for a
     smoke run), which may have grown since it finished (the recipe then trains on)."""
-    return result["updates"] >= (SMOKE_UPDATES if result["smoke"] else recipe.updates)
+    return result["updates"] >= budget(recipe, result["smoke"])
 
 
 def recipe_status(recipe: ZooRecipe, runs_dir: Path, records_dir: Path | None = None) -> str:
@@ -690,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
                                 records_dir=None if args.smoke else records_dir)
             if result is None:
                 print(f"--max_minutes reached: {recipe.name} is at {trained_updates(runs_dir / recipe.name)} of "
-                      f"{SMOKE_UPDATES if args.smoke else recipe.updates} updates; `flexformers-zoo run` again "
+                      f"{budget(recipe, args.smoke)} updates; `flexformers-zoo run` again "
                       f"resumes it", flush=True)
                 break
             test = result["test"]
