@@ -180,7 +180,9 @@ def render_model_card(
         model_type=model_type,
         config=config,
         hyperparameters={key: config[key] for key in CARD_CONFIG_FIELDS if config.get(key) is not None},
-        generation={key: value for key, value in generation_config.items() if key not in CARD_HIDDEN_GENERATION},
+        # the settings a reader needs: those that are not generate()'s own defaults
+        generation={key: value for key, value in generation_config.items()
+                    if key not in CARD_HIDDEN_GENERATION and default_generation.get(key, object()) != value},
         method_generation={
             key: value
             for key, value in generation_config.items()

@@ -48,11 +48,17 @@ SMOKE_UPDATES = 3
 #: Validation BLEU gained over the last fifth of a run's updates below which its curve counts as flattened.
 FLAT_CURVE_GAIN = 0.5
 RECIPE_FIELDS = {"name", "task", "model_type", "seed", "updates", "size", "overrides", "flags", "init_from", "claim",
-                 "eval_every", "eval_samples", "test_beams"}
+                 "eval_every", "eval_samples", "test_beams", "lr_scheduler"}
 TASK_FIELDS = {"what", "data", "vocab_size", "max_source_length", "max_target_length", "batch_size", "learning_rate",
-               "warmup_steps", "updates"}
-#: Task fields that may be left out: a description, and a budget in updates for the task's recipes (else defaults').
-OPTIONAL_TASK_FIELDS = {"what", "updates"}
+               "warmup_steps", "updates", "lr_scheduler"}
+#: Task fields that may be left out: a description, and the budget in updates and learning-rate schedule of the
+#: task's recipes (else the defaults').
+OPTIONAL_TASK_FIELDS = {"what", "updates", "lr_scheduler"}
+#: Task fields that a recipe may set for itself (a recipe's own value wins over its task's).
+TASK_FIELDS_OF_RECIPES = ("updates", "lr_scheduler")
+#: Learning-rate schedules whose value at an update does not depend on the budget: a finished run of one of these
+#: trains on when its budget grows (training on equals training for the larger budget from the start).
+BUDGET_FREE_SCHEDULES = {"inverse_sqrt", "constant", "constant_with_warmup"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +79,7 @@ class ZooRecipe:
     eval_every: int = 1000
     eval_samples: int = 300
     test_beams: int = 4
+    lr_scheduler: str = "inverse_sqrt"
 
 
 def load_recipes(path: str | os.PathLike = DEFAULT_RECIPES) -> list[ZooRecipe]:
@@ -103,9 +110,9 @@ def load_recipes(path: str | os.PathLike = DEFAULT_RECIPES) -> list[ZooRecipe]:
         if not isinstance(entry, dict) or "name" not in entry:
             raise ValueError(f"{path}: recipe {index} has no name")
         name = entry["name"]
-        task_budget = {key: value for key, value in (tasks.get(entry.get("task", defaults.get("task"))) or {}).items()
-                       if key == "updates"}
-        fields = {**{k: v for k, v in defaults.items() if k in RECIPE_FIELDS}, **task_budget, **entry}
+        of_task = {key: value for key, value in (tasks.get(entry.get("task", defaults.get("task"))) or {}).items()
+                   if key in TASK_FIELDS_OF_RECIPES}
+        fields = {**{k: v for k, v in defaults.items() if k in RECIPE_FIELDS}, **of_task, **entry}
         unknown = set(entry) - RECIPE_FIELDS
         if unknown:
             raise ValueError(f"{path}: recipe {name!r}: unknown field(s) {', '.join(sorted(unknown))}")
@@ -129,10 +136,58 @@ def load_recipes(path: str | os.PathLike = DEFAULT_RECIPES) -> list[ZooRecipe]:
             if number in fields and (not isinstance(fields[number], int) or fields[number] < smallest):
                 raise ValueError(f"{path}: recipe {name!r}: {number} must be an integer >= {smallest}, "
                                  f"got {fields[number]!r}")
+        if "lr_scheduler" in fields and fields["lr_scheduler"] not in _schedule_names():
+            raise ValueError(f"{path}: recipe {name!r}: lr_scheduler must be one of {', '.join(_schedule_names())}, "
+                             f"got {fields['lr_scheduler']!r}")
         fields["flags"] = tuple(str(flag) for flag in fields.get("flags") or ())
         fields["overrides"] = fields.get("overrides") or ""
         recipes.append(ZooRecipe(task_settings=dict(tasks[fields["task"]]), **fields))
     return recipes
+
+
+def _schedule_names() -> list[str]:
+    from transformers.trainer_utils import SchedulerType
+
+    return [schedule.value for schedule in SchedulerType]
+
+
+def recipe_changes(recorded: dict, recipe: ZooRecipe) -> list[str]:
+    """The fields in which a result's recipe (``recorded``, from its JSON) differs from ``recipe`` as the recipe
+    file says today, other than the budget (a grown budget trains on): a result with any is another recipe's.
+    A field missing from an older result counts as its default then (``lr_scheduler``: inverse-sqrt)."""
+    current = json.loads(json.dumps(dataclasses.asdict(recipe)))
+    defaults = {field.name: field.default for field in dataclasses.fields(ZooRecipe)
+                if field.default is not dataclasses.MISSING}
+    changed = []
+    for field, value in current.items():
+        if field in ("updates", "task_settings"):
+            continue
+        if recorded.get(field, defaults.get(field)) != value:
+            changed.append(field)
+    # the task's own budget and schedule reach a run through the recipe's fields, compared above
+    settings = {key: value for key, value in current["task_settings"].items() if key not in TASK_FIELDS_OF_RECIPES}
+    recorded_settings = recorded.get("task_settings") or {}
+    changed += [f"task_settings.{key}" for key in sorted(set(settings) | set(recorded_settings))
+                if key not in TASK_FIELDS_OF_RECIPES and key != "what"
+                and settings.get(key) != recorded_settings.get(key)]
+    return changed
+
+
+def _check_same_recipe(recorded: dict, recipe: ZooRecipe, where: Path, output_dir: Path) -> None:
+    changed = recipe_changes(recorded["recipe"], recipe)
+    if changed:
+        raise ValueError(f"recipe {recipe.name!r} has changed since its result {where} was written "
+                         f"({', '.join(changed)} differ): that result is another recipe's. Rename the recipe to keep "
+                         f"both, or delete {where} and move {output_dir} away to train it again")
+
+
+def _check_budget_change(recipe: ZooRecipe, planned: int, target: int, output_dir: Path) -> None:
+    """A run of a schedule that depends on its budget (cosine, linear) cannot go on to another budget than the one
+    it was planned for: its learning rate so far followed that one."""
+    if planned != target and recipe.lr_scheduler not in BUDGET_FREE_SCHEDULES:
+        raise ValueError(f"recipe {recipe.name!r}: its budget changed from {planned} to {target} updates, but its "
+                         f"{recipe.lr_scheduler} learning rate depends on the budget, so training on would not be "
+                         f"the run of {target} updates; move {output_dir} (and its record) away to train it again")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -159,6 +214,7 @@ def training_argv(recipe: ZooRecipe, output_dir: Path, runs_dir: Path, smoke: bo
         "--per_device_train_batch_size", str(4 if smoke else task["batch_size"]),
         "--per_device_eval_batch_size", "100",
         "--learning_rate", str(task["learning_rate"]),
+        "--lr_scheduler_type", recipe.lr_scheduler,
         "--warmup_steps", str(1 if smoke else task["warmup_steps"]),
         "--max_steps", str(updates),
         "--output_dir", str(output_dir),
@@ -220,6 +276,16 @@ def trained_updates(output_dir: Path) -> int:
     return max(steps, default=0)
 
 
+def planned_updates(output_dir: Path) -> int | None:
+    """The budget (``max_steps``) that the run in ``output_dir`` was trained towards, from its newest state."""
+    states = sorted(output_dir.glob("checkpoint-*/trainer_state.json"), key=lambda path: int(path.parent.name[11:]))
+    states = [output_dir / "trainer_state.json", *reversed(states)]
+    for path in states:
+        if path.is_file():
+            return json.loads(path.read_text()).get("max_steps")
+    return None
+
+
 def _record_segment(output_dir: Path, seconds: float, from_step: int, to_step: int) -> dict:
     path = output_dir / PROGRESS_FILE
     progress = json.loads(path.read_text()) if path.is_file() else {"segments": []}
@@ -242,21 +308,25 @@ def validation_curve(output_dir: Path) -> list[dict]:
 
 def last_fifth_gain(curve: list[dict]) -> float | None:
     """Validation BLEU gained over the last fifth of the updates, the zoo's flattening criterion (the zoo issue's
-    "the last fifth of its updates gains < 0.5 BLEU"): the mean of the curve points in the last fifth minus the mean
-    of those in the fifth before. Below :data:`FLAT_CURVE_GAIN`, the curve has flattened.
+    "the last fifth of its updates gains < 0.5 BLEU"): the rise of a least-squares line through the curve points of
+    the last fifth (from the point where it starts to the end) over that fifth. Below :data:`FLAT_CURVE_GAIN`, the
+    curve has flattened.
 
-    Means of windows rather than two single points because neighbouring greedy points on the fixed 300-example
-    subset differ by 1.4 BLEU on average where a run has plateaued (baseline-translation-s1, updates 9k-15k: standard
-    deviation 0.9 around its mean), more than the 0.5 BLEU threshold: a difference of single points measures that
-    noise. None when either window holds no point."""
+    A line through every point of the fifth rather than its last point minus its first, so that no single greedy
+    evaluation decides; and over the last fifth itself, as the criterion says, rather than the means of the last two
+    fifths, which measure the rise from 70 % to 90 % of the run. No reading is reliable on a curve as noisy as the
+    first inverse-sqrt runs' (300 sentences, neighbouring points 1.4 BLEU apart on a plateau): the zoo evaluates
+    1,000 sentences, and a learning rate that decays to zero lets the model, hence the curve, settle at the end.
+    None when the fifth holds fewer than two points."""
     if not curve:
         return None
     last_update = curve[-1]["update"]
-    last = [point["bleu"] for point in curve if point["update"] > 0.8 * last_update]
-    before = [point["bleu"] for point in curve if 0.6 * last_update < point["update"] <= 0.8 * last_update]
-    if not last or not before:
+    fifth_start = 0.8 * last_update
+    points = [(point["update"], point["bleu"]) for point in curve if point["update"] >= fifth_start]
+    if len(points) < 2:
         return None
-    return round(sum(last) / len(last) - sum(before) / len(before), 2)
+    slope = statistics.linear_regression([update for update, _ in points], [bleu for _, bleu in points]).slope
+    return round(slope * (last_update - fifth_start), 2)
 
 
 def method_analysis(recipe: ZooRecipe, output_dir: Path, test_sources: list[str], smoke: bool) -> dict:
@@ -308,17 +378,21 @@ def run_recipe(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, export: b
     target = budget(recipe, smoke)
     if result_path.is_file():
         result = json.loads(result_path.read_text())
+        _check_same_recipe(result, recipe, result_path, output_dir)
         if result["updates"] >= target:
             if record is not None and not record.is_file():
                 _write_result(record, result)
             return result
-        # Its budget grew after it finished: it trains on from its last checkpoint. The inverse-sqrt learning rate
-        # does not depend on the budget, so this is the run that the larger budget would have been from the start.
+        # Its budget grew after it finished: it trains on from its last checkpoint, which is the run that the larger
+        # budget would have been from the start where the learning rate does not depend on the budget.
+        _check_budget_change(recipe, result["updates"], target, output_dir)
         result_path.unlink()
     if record is not None and record.is_file():
         recorded = json.loads(record.read_text())
+        _check_same_recipe(recorded, recipe, record, output_dir)
         if recorded["updates"] >= target:
             return recorded
+        _check_budget_change(recipe, recorded["updates"], target, output_dir)
         if trained_updates(output_dir) < recorded["updates"]:
             raise ValueError(f"recipe {recipe.name!r}'s budget grew from {recorded['updates']} to {target} updates, "
                              f"but the checkpoints of its {recorded['updates']} recorded updates are not in "
@@ -326,6 +400,9 @@ def run_recipe(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, export: b
                              f"again from the start")
     output_dir.mkdir(parents=True, exist_ok=True)
     done = trained_updates(output_dir)
+    planned = planned_updates(output_dir)
+    if planned is not None and done < target:
+        _check_budget_change(recipe, planned, target, output_dir)
     if not (output_dir / "model.safetensors").is_file() or done < target:
         if recipe.init_from and not (runs_dir / recipe.init_from / RESULT_FILE).is_file():
             recorded = record_path(records_dir, recipe.init_from)
@@ -406,9 +483,10 @@ def _write_result(path: Path, result: dict) -> None:
 # Status and rendering
 # --------------------------------------------------------------------------------------------------------------
 def _finished(result: dict, recipe: ZooRecipe) -> bool:
-    """Whether a recipe's result is final: trained for as many updates as its budget (:data:`SMOKE_UPDATES` for a
-    smoke run), which may have grown since it finished (the recipe then trains on)."""
-    return result["updates"] >= budget(recipe, result["smoke"])
+    """Whether a recipe's result is final: the result of this recipe (not of an earlier version of it) trained for
+    as many updates as its budget (:data:`SMOKE_UPDATES` for a smoke run), which may have grown since it finished
+    (the recipe then trains on)."""
+    return result["updates"] >= budget(recipe, result["smoke"]) and not recipe_changes(result["recipe"], recipe)
 
 
 def recipe_status(recipe: ZooRecipe, runs_dir: Path, records_dir: Path | None = None) -> str:
@@ -418,6 +496,10 @@ def recipe_status(recipe: ZooRecipe, runs_dir: Path, records_dir: Path | None = 
         return "finished"
     record = record_path(records_dir, recipe.name)
     recorded = json.loads(record.read_text()) if record is not None and record.is_file() else None
+    for result in (json.loads(result_path.read_text()) if result_path.is_file() else None, recorded):
+        changed = result and recipe_changes(result["recipe"], recipe)
+        if changed:
+            return f"its result is of an earlier version of the recipe ({', '.join(changed)} differ)"
     if recorded is not None and _finished(recorded, recipe):
         return "finished in another session (recorded; its weights are not on this machine)"
     updates = max(trained_updates(output_dir), recorded["updates"] if recorded else 0)
@@ -508,12 +590,11 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
         "(`flexformers-zoo run --all` trains them, resuming across sessions; each finished recipe's full result,",
         "curve included, is recorded in `docs/zoo/results/<recipe>.json`). Scores are on the whole test split,",
         "beside copying the input on the same examples. A curve has flattened when its last fifth of updates gains",
-        f"< {FLAT_CURVE_GAIN} validation BLEU: the mean of its points in the last fifth minus the mean of those in the",
-        "fifth before (one point on the fixed greedy subset moves by about 1 BLEU between evaluations, so two single",
-        "points would measure that noise).",
+        f"< {FLAT_CURVE_GAIN} validation BLEU: the rise of a least-squares line through its points in that fifth",
+        "(every point weighs in, so no single greedy evaluation decides).",
         "",
-        ("| recipe | claim | seed | params | updates | wall time | machine | test BLEU | chrF | TER | copy BLEU / chrF |"
-         " BLEU over copy | last-fifth gain | method figures |"),
+        ("| recipe | claim | seed | params | updates (learning rate) | wall time | machine | test BLEU | chrF | TER |"
+         " copy BLEU / chrF | BLEU over copy | last-fifth gain | method figures |"),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for result in results:
@@ -522,7 +603,8 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
         gain = last_fifth_gain(result["validation_curve"])  # from the curve, so every row follows today's criterion
         lines.append(
             f"| {recipe['name']} | {recipe['claim']} | {recipe['seed']} | {result['parameters']:,} | "
-            f"{result['updates']:,} | {result['training_seconds'] / 60:.0f} min ({result['sessions']} run(s)) | "
+            f"{result['updates']:,} ({recipe.get('lr_scheduler', 'inverse_sqrt')}) | "
+            f"{result['training_seconds'] / 60:.0f} min ({result['sessions']} run(s)) | "
             f"{result['machine']} | {metrics['bleu']:.2f} | {metrics['chrf']:.2f} | {metrics['ter']:.2f} | "
             f"{copy['bleu']:.2f} / {copy['chrf']:.2f} | {test['gain_over_copy']['bleu']:+.2f} | "
             f"{'—' if gain is None else gain} | {_figure_text(result)} |"
@@ -557,6 +639,11 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
                if recipe.name not in finished]
     if pending:
         lines += ["", "Not finished yet: " + ", ".join(pending) + "."]
+    superseded = sorted(path.parent for path in (plots_dir / "superseded").glob("*/README.md"))
+    if superseded:
+        lines += ["", "Results of earlier versions of these recipes, and why they changed: " + ", ".join(
+            f"[{folder.name}]({folder.relative_to(docs_path.parent).as_posix()}/README.md)" for folder in superseded)
+            + "."]
     plots = []
     for task in sorted({result["recipe"]["task"] for result in results}):
         figure, axis = plt.subplots(figsize=(7.5, 4.2))
