@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from timing import interleaved  # noqa: E402
+from zoo_gpu_budget import budget_for, training_rate  # noqa: E402
 
 
 @pytest.mark.parametrize("blocked", [False, True])
@@ -90,3 +91,15 @@ def test_sao_floor_prices_exactly_the_searchs_weight_products(word_query_project
     kernels = SearchKernels(model, batch, length, beams)
     floor = weight_product_flops(lambda: (kernels.products(), kernels.source_key_values()))
     assert floor == search > 0
+
+
+def test_the_gpu_zoo_budget_comes_from_the_slowest_training_bar_of_the_probe():
+    log = ("Map: 100%|##| 42795/42795 [00:01<00:00, 3e4 examples/s]\n"
+           " 10%|#  | 300/750 [00:40<01:00,  7.0it/s]\r100%|##| 10/10 [00:02<00:00,  4.1it/s]\r"
+           " 13%|#  | 480/750 [01:00<00:33,  8.0it/s]")
+    assert training_rate(log, probe_budget=750) == 8.0  # the last training bar; corpus and evaluation bars ignored
+    assert training_rate("100%| 2/2 [01:02:00<00:00]\n 1/2 [1:00:00<00:10]", probe_budget=2) == 1 / 3600
+    with pytest.raises(ValueError, match="no training progress"):
+        training_rate("Map: 100%|##| 42795/42795 [00:01<00:00]", probe_budget=750)
+    assert budget_for({"fast": 8.0, "slow": 3.35}, train_seconds=303, eval_every=250) == 750
+    assert budget_for({"slow": 0.1}, train_seconds=100, eval_every=250) == 250  # at least one curve interval

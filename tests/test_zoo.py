@@ -143,8 +143,19 @@ def test_seed_spread_groups_the_seeds_of_one_configuration_and_methods_are_read_
     compared = zoo.against_baseline(results, spread)
     # word order has one baseline seed: no spread to read InDIGO against yet
     assert [(r["recipe"], r["difference"], r["in_sd"]) for r in compared] == [("mat-proximal-translation-s1", 2.0, 2.0)]
+    assert row["converged_seeds"] == 0  # these results have no curve
     assert zoo.seed_group("baseline-translation-s12") == "baseline-translation"
     assert zoo.seed_group("baseline-translation-half") == "baseline-translation-half"
+
+
+def test_a_converged_baseline_has_a_flat_curve_and_scores_well_above_copying():
+    flat = [{"update": u, "bleu": b} for u, b in ((600, 30.0), (800, 30.2), (900, 30.1), (1000, 30.3))]
+    rising = [{"update": u, "bleu": b} for u, b in ((600, 20.0), (800, 22.0), (1000, 24.0))]
+    result = {"test": {"gain_over_copy": {"bleu": 24.7}}, "validation_curve": flat}
+    assert zoo.converged(result)
+    assert not zoo.converged({**result, "validation_curve": rising})  # still climbing
+    assert not zoo.converged({**result, "validation_curve": flat[-1:]})  # one point: no slope to read
+    assert not zoo.converged({**result, "test": {"gain_over_copy": {"bleu": -2.8}}})  # flat, but below copying
 
 
 def test_training_argv_resumes_and_initialises(tmp_path):
@@ -357,6 +368,44 @@ def test_a_schedule_that_depends_on_the_budget_does_not_train_on_when_the_budget
     assert zoo.planned_updates(runs / "base") == 10
     with pytest.raises(ValueError, match="budget changed from 10 to 20 updates"):
         zoo.run_recipe(recipe, runs)
+
+
+def test_gpu_recipes_train_with_tf32_on_a_gpu_and_are_refused_or_skipped_without_one(tmp_path, monkeypatch, capsys):
+    header = RECIPE_HEADER + """  word_order_gpu:
+    data: [--task, word_order, --word_order_base, gettext]
+    vocab_size: 1000
+    max_source_length: 48
+    max_target_length: 48
+    batch_size: 4
+    learning_rate: 3.0e-3
+    warmup_steps: 1
+    gpu: true
+"""
+    path = write_recipes(tmp_path, ("  - {name: cpu, task: word_order, model_type: flexformer}\n"
+                                    "  - {name: big, task: word_order_gpu, model_type: flexformer, size: iwslt}\n"),
+                         header)
+    cpu, big = zoo.load_recipes(path)
+    assert "--tf32" not in zoo.training_argv(cpu, tmp_path / "cpu", tmp_path)
+    argv = zoo.training_argv(big, tmp_path / "big", tmp_path)
+    assert argv[argv.index("--tf32") + 1] == "true"
+    assert "encoder_layers=6" in argv[argv.index("--config_overrides") + 1]  # the papers' IWSLT blocks
+    assert "--tf32" not in zoo.training_argv(big, tmp_path / "big", tmp_path, smoke=True)  # smoke runs anywhere
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(ValueError, match="recipe 'big' trains on a CUDA GPU .* this machine has none"):
+        zoo.run_recipe(big, tmp_path / "runs", export=False)
+    assert not (tmp_path / "runs" / "big" / "checkpoint-1").exists()
+    assert zoo.recipe_status(big, tmp_path / "runs") == "not started (trains on a CUDA GPU)"
+    ran = []
+
+    def run_recipe(recipe, *args, **kwargs):
+        ran.append(recipe.name)
+        return {"updates": 3, "test": {"metrics": {"bleu": 1.0}, "copy_baseline": {"bleu": 0.5}}}
+
+    monkeypatch.setattr(zoo, "run_recipe", run_recipe)
+    assert zoo.main(["--recipes", str(path), "--runs_dir", str(tmp_path / "runs"), "run", "--all"]) == 0
+    assert ran == ["cpu"]  # --all leaves the GPU recipe out on this machine
+    assert "skipping the recipes trained on a CUDA GPU (this machine has none): big" in capsys.readouterr().out
 
 
 def test_max_minutes_must_be_positive(tmp_path, capsys):

@@ -91,6 +91,7 @@ def decode_with_exits(
             num_beams=num_beams,
             length_penalty=length_penalty,
             max_new_tokens=max_new_tokens,
+            max_length=None,  # the saved generation config's max_length (Trainer writes 20) would only warn
             early_stopping=num_beams > 1,
             exit_strategy=exit_strategy,
             fixed_exit=fixed_exit,

@@ -47,13 +47,15 @@ DEFAULT_RECORDS_DIR = "docs/zoo/results"
 SMOKE_UPDATES = 3
 #: Validation BLEU gained over the last fifth of a run's updates below which its curve counts as flattened.
 FLAT_CURVE_GAIN = 0.5
+#: Test BLEU over copying the input from which a baseline counts as having learned its task.
+LEARNED_OVER_COPY = 15.0
 RECIPE_FIELDS = {"name", "task", "model_type", "seed", "updates", "size", "overrides", "flags", "init_from", "claim",
                  "eval_every", "eval_samples", "test_beams", "lr_scheduler"}
 TASK_FIELDS = {"what", "data", "vocab_size", "max_source_length", "max_target_length", "batch_size", "learning_rate",
-               "warmup_steps", "updates", "lr_scheduler"}
-#: Task fields that may be left out: a description, and the budget in updates and learning-rate schedule of the
-#: task's recipes (else the defaults').
-OPTIONAL_TASK_FIELDS = {"what", "updates", "lr_scheduler"}
+               "warmup_steps", "updates", "lr_scheduler", "gpu"}
+#: Task fields that may be left out: a description, the budget in updates and learning-rate schedule of the task's
+#: recipes (else the defaults'), and ``gpu: true`` for recipes trained on a CUDA GPU (TF32 matrix products).
+OPTIONAL_TASK_FIELDS = {"what", "updates", "lr_scheduler", "gpu"}
 #: Task fields that a recipe may set for itself (a recipe's own value wins over its task's).
 TASK_FIELDS_OF_RECIPES = ("updates", "lr_scheduler")
 #: Learning-rate schedules whose value at an update does not depend on the budget: a finished run of one of these
@@ -232,6 +234,8 @@ def training_argv(recipe: ZooRecipe, output_dir: Path, runs_dir: Path, smoke: bo
     ]
     if smoke:
         argv += ["--max_train_samples", "16", "--disable_tqdm", "true"]
+    elif task.get("gpu"):
+        argv += ["--tf32", "true"]
     initial = runs_dir / recipe.init_from if recipe.init_from else None
     if initial is not None and recipe.model_type == "mat":
         argv += ["--baseline_checkpoint", str(initial), "--tokenizer_name_or_path", str(initial)]
@@ -412,6 +416,11 @@ def run_recipe(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, export: b
                                  f"{runs_dir}: copy that folder here, or delete the record to train it again")
             raise ValueError(f"recipe {recipe.name!r} starts from {recipe.init_from!r}, which is not finished: "
                              f"run that one first")
+        import torch
+
+        if recipe.task_settings.get("gpu") and not smoke and not torch.cuda.is_available():
+            raise ValueError(f"recipe {recipe.name!r} trains on a CUDA GPU (its task {recipe.task!r} sets gpu: true) "
+                             f"and this machine has none: run it where one is (benchmarks/zoo_gpu.sh)")
         if deadline is not None and time.monotonic() >= deadline:
             return None
         started = time.monotonic()
@@ -503,7 +512,9 @@ def recipe_status(recipe: ZooRecipe, runs_dir: Path, records_dir: Path | None = 
     if recorded is not None and _finished(recorded, recipe):
         return "finished in another session (recorded; its weights are not on this machine)"
     updates = max(trained_updates(output_dir), recorded["updates"] if recorded else 0)
-    return f"{updates}/{recipe.updates} updates" if updates else "not started"
+    if updates:
+        return f"{updates}/{recipe.updates} updates"
+    return "not started (trains on a CUDA GPU)" if recipe.task_settings.get("gpu") else "not started"
 
 
 def _results(recipes: list[ZooRecipe], runs_dir: Path, records_dir: Path | None = None) -> list[dict]:
@@ -526,6 +537,15 @@ def seed_group(name: str) -> str:
     return re.sub(r"-s\d+$", "", name)
 
 
+def converged(result: dict) -> bool:
+    """Whether a run meets the zoo's bar for a baseline that methods are compared with: its validation curve has
+    flattened (last-fifth gain < :data:`FLAT_CURVE_GAIN`) and its test BLEU is :data:`LEARNED_OVER_COPY` or more
+    above copying the input."""
+    gain = last_fifth_gain(result.get("validation_curve") or [])
+    over_copy = (result["test"].get("gain_over_copy") or {}).get("bleu")
+    return gain is not None and gain < FLAT_CURVE_GAIN and over_copy is not None and over_copy >= LEARNED_OVER_COPY
+
+
 def seed_spread(results: list[dict]) -> list[dict]:
     """Test BLEU and chrF over the seeds of every configuration finished with two seeds or more: the spread that a
     difference between two configurations is read against (sample standard deviation)."""
@@ -537,7 +557,8 @@ def seed_spread(results: list[dict]) -> list[dict]:
         if len(members) < 2:
             continue
         row = {"group": group, "task": members[0]["recipe"]["task"], "claim": members[0]["recipe"]["claim"],
-               "seeds": sorted(member["recipe"]["seed"] for member in members)}
+               "seeds": sorted(member["recipe"]["seed"] for member in members),
+               "converged_seeds": sum(converged(member) for member in members)}
         for metric in ("bleu", "chrf"):
             values = [member["test"]["metrics"][metric] for member in members]
             row[metric] = {"mean": round(statistics.mean(values), 2), "sd": round(statistics.stdev(values), 2),
@@ -614,24 +635,28 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
         lines += ["", "### Seed spread", "",
                   "Test scores over the seeds of each configuration (sample standard deviation): a difference between "
                   "two configurations smaller than about two of these is not a difference.", "",
-                  "| configuration | task | seeds | test BLEU mean ± sd | min – max | chrF mean ± sd |",
-                  "|---|---|---|---|---|---|"]
+                  "| configuration | task | seeds | test BLEU mean ± sd | min – max | chrF mean ± sd | "
+                  f"seeds converged (flat, ≥ +{LEARNED_OVER_COPY:g} over copy) |",
+                  "|---|---|---|---|---|---|---|"]
         for row in spread:
             bleu, chrf = row["bleu"], row["chrf"]
             lines.append(f"| {row['group']} | {row['task']} | {', '.join(map(str, row['seeds']))} | "
                          f"{bleu['mean']:.2f} ± {bleu['sd']:.2f} | {bleu['min']:.2f} – {bleu['max']:.2f} | "
-                         f"{chrf['mean']:.2f} ± {chrf['sd']:.2f} |")
+                         f"{chrf['mean']:.2f} ± {chrf['sd']:.2f} | {row['converged_seeds']} of {len(row['seeds'])} |")
     compared = against_baseline(results, spread)
     if compared:
         lines += ["", "### Against the baseline's seeds", "",
-                  "| recipe | claim | test BLEU | baseline mean ± sd (seeds) | difference | in baseline sd |",
-                  "|---|---|---|---|---|---|"]
+                  "A row whose baseline seeds have not all converged compares how fast two models start, not what "
+                  "a paper claims: read nothing from it.", "",
+                  "| recipe | claim | test BLEU | baseline mean ± sd (seeds) | difference | in baseline sd | "
+                  "baseline converged |",
+                  "|---|---|---|---|---|---|---|"]
         for row in compared:
             baseline = row["baseline"]
             in_sd = "—" if row["in_sd"] is None else f"{row['in_sd']:+.1f}"
             lines.append(f"| {row['recipe']} | {row['claim']} | {row['bleu']:.2f} | {baseline['bleu']['mean']:.2f} ± "
                          f"{baseline['bleu']['sd']:.2f} ({len(baseline['seeds'])}) | {row['difference']:+.2f} | "
-                         f"{in_sd} |")
+                         f"{in_sd} | {baseline['converged_seeds']} of {len(baseline['seeds'])} seeds |")
     if not results:
         lines += ["", "No recipe has finished yet: the table fills in as `flexformers-zoo run --all` completes them."]
     finished = {result["recipe"]["name"] for result in results}
@@ -772,6 +797,14 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise ValueError(f"no recipe named {', '.join(unknown)} (see `flexformers-zoo list`)")
         chosen = recipes if args.all else [known[name] for name in args.names]
+        if args.all and not args.smoke:
+            import torch
+
+            gpu_only = [recipe.name for recipe in chosen if recipe.task_settings.get("gpu")]
+            if gpu_only and not torch.cuda.is_available():
+                print(f"skipping the recipes trained on a CUDA GPU (this machine has none): {', '.join(gpu_only)}",
+                      flush=True)
+                chosen = [recipe for recipe in chosen if recipe.name not in gpu_only]
         if args.max_minutes is not None and args.max_minutes <= 0:
             raise ValueError(f"--max_minutes must be positive, got {args.max_minutes:g}")
         deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
