@@ -11,6 +11,8 @@
 #    weights of a lent machine cannot come back), then decode the test split; their results are written to
 #    docs/zoo/results/ as on any machine.
 # Results, logs, the rewritten recipe file and each run's trainer_state.json are packed into $OUT/zoo-gpu.tar.gz.
+# A recipe recorded in docs/zoo/results is finished and is not trained again, and a cosine run does not train on to
+# a new budget: to train the GPU recipes for another budget, move their records to docs/zoo/superseded/ first.
 #
 # What the machine lacks travels with the working tree (keep both out of git, .git/info/exclude):
 # - .whl/: wheels for Python 3.12 of what the image lacks or has too old (seen 2026-11-26: transformers 5.17, no
