@@ -71,7 +71,6 @@ print('torch', torch.__version__, 'transformers', transformers.__version__, 'dat
 'pyarrow', pyarrow.__version__, 'huggingface_hub', huggingface_hub.__version__, torch.cuda.get_device_name())")
 } 2>&1 | tee "$LOGS/environment.txt"
 grep -q "^torch" "$LOGS/environment.txt" || exit 1
-# (the console script: `python3 -m` from the repository root would import its flexformers/ folder, not the package)
 ZOO=(flexformers-zoo --recipes "$RECIPE_FILE")
 
 # 1. The speed probe (its runs are thrown away; the corpus cache it builds is kept).

@@ -6,7 +6,17 @@ by setup.cfg's ``package_dir``): ``flexformers.configuration``, ``flexformers.mo
 ``flexformers.training_scripts``, ``flexformers.metrics``.
 """
 
-from . import configuration, modeling
+import os as _os
+
+# In a source checkout this folder holds only this file, and setup.cfg's package_dir maps the repository's top-level
+# folders into the package. Imported from the checkout's root (`python -m flexformers.training_scripts.train` there,
+# with the package installed or not), the subpackages are found in those folders, as an installed tree has them here.
+if not _os.path.isdir(_os.path.join(__path__[0], "configuration")):
+    _checkout = _os.path.dirname(_os.path.abspath(__path__[0]))
+    if _os.path.isfile(_os.path.join(_checkout, "setup.cfg")) and _checkout not in __path__:
+        __path__.append(_checkout)
+
+from . import configuration, modeling  # noqa: E402
 from .configuration import *  # noqa: F401,F403
 from .modeling import *  # noqa: F401,F403
 

@@ -69,6 +69,22 @@ def test_a_configuration_py_in_the_working_directory_does_not_shadow_the_package
     assert result.stdout.split() == ["ok", "flexformers.modeling.modeling_iot"]
 
 
+def test_the_training_module_runs_from_the_checkout_root_without_an_editable_install():
+    """`python -m flexformers.training_scripts.train --help` in the repository: the checkout's `flexformers/` folder
+    (first on `sys.path`) holds only `__init__.py`, and its subpackages are the top-level folders. With a regular
+    install this failed with a circular-import error; the editable install's finder is taken away to see it."""
+    script = (
+        "import runpy, sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in getattr(f, '__module__', '')]\n"
+        "sys.argv = ['flexformers-train', '--help']\n"
+        "runpy.run_module('flexformers.training_scripts.train', run_name='__main__')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--model_type" in result.stdout and "--config_overrides" in result.stdout
+
+
 def test_every_model_type_is_importable_from_the_package_top():
     import flexformers
 

@@ -371,16 +371,8 @@ def test_a_schedule_that_depends_on_the_budget_does_not_train_on_when_the_budget
 
 
 def test_gpu_recipes_train_with_tf32_on_a_gpu_and_are_refused_or_skipped_without_one(tmp_path, monkeypatch, capsys):
-    header = RECIPE_HEADER + """  word_order_gpu:
-    data: [--task, word_order, --word_order_base, gettext]
-    vocab_size: 1000
-    max_source_length: 48
-    max_target_length: 48
-    batch_size: 4
-    learning_rate: 3.0e-3
-    warmup_steps: 1
-    gpu: true
-"""
+    word_order = RECIPE_HEADER[RECIPE_HEADER.index("  word_order:"):]
+    header = RECIPE_HEADER + word_order.replace("  word_order:", "  word_order_gpu:") + "    gpu: true\n"
     path = write_recipes(tmp_path, ("  - {name: cpu, task: word_order, model_type: flexformer}\n"
                                     "  - {name: big, task: word_order_gpu, model_type: flexformer, size: iwslt}\n"),
                          header)
@@ -388,7 +380,7 @@ def test_gpu_recipes_train_with_tf32_on_a_gpu_and_are_refused_or_skipped_without
     assert "--tf32" not in zoo.training_argv(cpu, tmp_path / "cpu", tmp_path)
     argv = zoo.training_argv(big, tmp_path / "big", tmp_path)
     assert argv[argv.index("--tf32") + 1] == "true"
-    assert "encoder_layers=6" in argv[argv.index("--config_overrides") + 1]  # the papers' IWSLT blocks
+    assert argv[argv.index("--preset") + 1] == "transformer_iwslt_de_en"  # the papers' IWSLT blocks
     assert "--tf32" not in zoo.training_argv(big, tmp_path / "big", tmp_path, smoke=True)  # smoke runs anywhere
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)

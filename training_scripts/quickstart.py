@@ -25,16 +25,27 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
-# Model sizes. "tiny" (default): d=128, 2+2 blocks — about 8x fewer FLOPs per token than "paper"
-# (transformer_codegen_small: d=256, 3+3 blocks, FFN 1024), so minutes on 2 CPU cores are many epochs.
+class ModelSize(NamedTuple):
+    """A model size: the configuration preset, the overrides on top of it, and how the quickstart names it."""
+
+    preset: str
+    overrides: str
+    description: str
+
+
+# "tiny" (default): d=128, 2+2 blocks — about 8x fewer FLOPs per token than "paper" (transformer_codegen_small:
+# d=256, 3+3 blocks, FFN 1024), so minutes on 2 CPU cores are many epochs. "iwslt": the papers' IWSLT models
+# (transformer_iwslt_de_en: d=512, 6+6 blocks, FFN 1024), for a GPU.
 MODEL_SIZES = {
-    "tiny": "encoder_embed_dim=128,decoder_embed_dim=128,encoder_ffn_embed_dim=512,decoder_ffn_embed_dim=512,"
-    "encoder_layers=2,decoder_layers=2,encoder_attention_heads=4,decoder_attention_heads=4",
-    "paper": "",
-    # transformer_iwslt_de_en's blocks (6+6, d=512, FFN 1024, 4 heads): the papers' IWSLT models, for a GPU
-    "iwslt": "encoder_embed_dim=512,decoder_embed_dim=512,encoder_ffn_embed_dim=1024,decoder_ffn_embed_dim=1024,"
-    "encoder_layers=6,decoder_layers=6,encoder_attention_heads=4,decoder_attention_heads=4",
+    "tiny": ModelSize(
+        "transformer_codegen_small",
+        "encoder_embed_dim=128,decoder_embed_dim=128,encoder_ffn_embed_dim=512,decoder_ffn_embed_dim=512,"
+        "encoder_layers=2,decoder_layers=2,encoder_attention_heads=4,decoder_attention_heads=4",
+        "small (d=128, 2+2 blocks)"),
+    "paper": ModelSize("transformer_codegen_small", "", "transformer_codegen_small (d=256, 3+3 blocks)"),
+    "iwslt": ModelSize("transformer_iwslt_de_en", "", "transformer_iwslt_de_en (d=512, 6+6 blocks)"),
 }
 # Pre-norm blocks and dropout 0.1 leave the unigram stage within minutes on a small corpus; fairseq's IWSLT recipe
 # (post-norm, dropout 0.3, 4000 warm-up steps) needs hours for the same (measured: 0.5 BLEU after 8 minutes).
@@ -121,11 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def training_argv(args, recipe: dict, train_minutes: float | None) -> list[str]:
     """The flexformers-train command line of the quickstart."""
-    overrides = ",".join(filter(None, [MODEL_SIZES[args.size], FAST_RECIPE]))
+    size = MODEL_SIZES[args.size]
+    overrides = ",".join(filter(None, [size.overrides, FAST_RECIPE]))
     eval_every = 25 if args.smoke else 300
     argv = [
         "--model_type", args.model_type,
-        "--preset", "transformer_codegen_small",
+        "--preset", size.preset,
         "--config_overrides", overrides,
         "--vocab_size", str(1000 if args.smoke else recipe["vocab_size"]),
         *recipe["data"],
@@ -274,7 +286,7 @@ def run_from_argv(argv: list[str] | None = None) -> dict:
         if train_minutes < 0.5:
             raise ValueError(f"--minutes {args.minutes:g} leaves {train_minutes:.1f} minutes to train after building "
                              f"the corpus and keeping {reserve:.1f} for the evaluation; give it more")
-    size = "transformer_codegen_small (d=256, 3+3 blocks)" if args.size == "paper" else "small (d=128, 2+2 blocks)"
+    size = MODEL_SIZES[args.size].description
     limit = f"{args.max_steps} updates" if args.max_steps else f"{train_minutes:.1f} minutes"
     print(f"[2/3] training a {size} {args.model_type} model for {limit} on {torch.get_num_threads()} CPU thread(s) "
           f"(pre-norm, dropout 0.1, lr {recipe['learning_rate']:g}, warm-up {recipe['warmup_steps']}) ...", flush=True)

@@ -241,9 +241,10 @@ def training_argv(recipe: ZooRecipe, output_dir: Path, runs_dir: Path, smoke: bo
         argv += ["--baseline_checkpoint", str(initial), "--tokenizer_name_or_path", str(initial)]
     elif initial is not None:
         argv += ["--model_name_or_path", str(initial)]
-    overrides = ",".join(filter(None, [MODEL_SIZES[recipe.size], FAST_RECIPE, recipe.overrides]))
+    size = MODEL_SIZES[recipe.size]
+    overrides = ",".join(filter(None, [size.overrides, FAST_RECIPE, recipe.overrides]))
     if initial is None or recipe.model_type == "mat":
-        argv += ["--preset", "transformer_codegen_small", "--config_overrides", overrides,
+        argv += ["--preset", size.preset, "--config_overrides", overrides,
                  "--vocab_size", str(1000 if smoke else task["vocab_size"])]
     elif recipe.overrides:
         argv += ["--config_overrides", recipe.overrides]
