@@ -370,6 +370,21 @@ def test_a_schedule_that_depends_on_the_budget_does_not_train_on_when_the_budget
         zoo.run_recipe(recipe, runs)
 
 
+def test_the_run_state_is_read_from_its_furthest_trained_point(tmp_path):
+    """A run that finished at 10 updates and trained on towards a grown budget of 30 keeps its final state of 10
+    beside checkpoints of 20 and 9 (numbered, not sorted by name: checkpoint-9 is older than checkpoint-20)."""
+    run = tmp_path / "run"
+    assert zoo.trained_updates(run) == 0 and zoo.planned_updates(run) is None
+    run.mkdir()
+    (run / "trainer_state.json").write_text(json.dumps({"global_step": 10, "max_steps": 10}))
+    assert (zoo.trained_updates(run), zoo.planned_updates(run)) == (10, 10)
+    for step, planned in ((9, 10), (20, 30)):
+        (run / f"checkpoint-{step}").mkdir()
+        (run / f"checkpoint-{step}" / "trainer_state.json").write_text(
+            json.dumps({"global_step": step, "max_steps": planned}))
+    assert (zoo.trained_updates(run), zoo.planned_updates(run)) == (20, 30)
+
+
 def test_gpu_recipes_train_with_tf32_on_a_gpu_and_are_refused_or_skipped_without_one(tmp_path, monkeypatch, capsys):
     word_order = RECIPE_HEADER[RECIPE_HEADER.index("  word_order:"):]
     header = RECIPE_HEADER + word_order.replace("  word_order:", "  word_order_gpu:") + "    gpu: true\n"

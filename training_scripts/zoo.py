@@ -83,6 +83,17 @@ class ZooRecipe:
     test_beams: int = 4
     lr_scheduler: str = "inverse_sqrt"
 
+    @property
+    def trains_on_gpu(self) -> bool:
+        """Whether the recipe's task is trained on a CUDA GPU (``gpu: true``): a CPU does not run it, smoke aside."""
+        return bool(self.task_settings.get("gpu"))
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
 
 def load_recipes(path: str | os.PathLike = DEFAULT_RECIPES) -> list[ZooRecipe]:
     """The recipes of a recipe file; a ``ValueError`` naming the recipe and field for anything malformed."""
@@ -234,7 +245,7 @@ def training_argv(recipe: ZooRecipe, output_dir: Path, runs_dir: Path, smoke: bo
     ]
     if smoke:
         argv += ["--max_train_samples", "16", "--disable_tqdm", "true"]
-    elif task.get("gpu"):
+    elif recipe.trains_on_gpu:
         argv += ["--tf32", "true"]
     initial = runs_dir / recipe.init_from if recipe.init_from else None
     if initial is not None and recipe.model_type == "mat":
@@ -273,22 +284,28 @@ def _cpu_model() -> str | None:
     return None
 
 
+def _newest_trainer_state(output_dir: Path) -> dict | None:
+    """The trainer state of the furthest-trained point of the run in ``output_dir``: its final
+    ``trainer_state.json`` or its newest checkpoint's, whichever has more updates (a run that finished and then
+    trained on towards a grown budget keeps its older final state beside newer checkpoints). None before any."""
+    checkpoints = [path for path in output_dir.glob("checkpoint-*/trainer_state.json")
+                   if path.parent.name[len("checkpoint-"):].isdigit()]
+    newest_checkpoint = max(checkpoints, key=lambda path: int(path.parent.name[len("checkpoint-"):]), default=None)
+    states = [json.loads(path.read_text()) for path in (output_dir / "trainer_state.json", newest_checkpoint)
+              if path is not None and path.is_file()]
+    return max(states, key=lambda state: state.get("global_step", 0), default=None)
+
+
 def trained_updates(output_dir: Path) -> int:
-    """Updates of the finished training in ``output_dir`` (its final ``trainer_state.json``), else of its newest
-    checkpoint, else 0."""
-    states = [output_dir / "trainer_state.json", *sorted(output_dir.glob("checkpoint-*/trainer_state.json"))]
-    steps = [json.loads(path.read_text()).get("global_step", 0) for path in states if path.is_file()]
-    return max(steps, default=0)
+    """Updates trained so far by the run in ``output_dir`` (0 before its first checkpoint)."""
+    state = _newest_trainer_state(output_dir)
+    return 0 if state is None else state.get("global_step", 0)
 
 
 def planned_updates(output_dir: Path) -> int | None:
-    """The budget (``max_steps``) that the run in ``output_dir`` was trained towards, from its newest state."""
-    states = sorted(output_dir.glob("checkpoint-*/trainer_state.json"), key=lambda path: int(path.parent.name[11:]))
-    states = [output_dir / "trainer_state.json", *reversed(states)]
-    for path in states:
-        if path.is_file():
-            return json.loads(path.read_text()).get("max_steps")
-    return None
+    """The budget (``max_steps``) that the run in ``output_dir`` was last trained towards."""
+    state = _newest_trainer_state(output_dir)
+    return None if state is None else state.get("max_steps")
 
 
 def _record_segment(output_dir: Path, seconds: float, from_step: int, to_step: int) -> dict:
@@ -417,9 +434,7 @@ def run_recipe(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, export: b
                                  f"{runs_dir}: copy that folder here, or delete the record to train it again")
             raise ValueError(f"recipe {recipe.name!r} starts from {recipe.init_from!r}, which is not finished: "
                              f"run that one first")
-        import torch
-
-        if recipe.task_settings.get("gpu") and not smoke and not torch.cuda.is_available():
+        if recipe.trains_on_gpu and not smoke and not _cuda_available():
             raise ValueError(f"recipe {recipe.name!r} trains on a CUDA GPU (its task {recipe.task!r} sets gpu: true) "
                              f"and this machine has none: run it where one is (benchmarks/zoo_gpu.sh)")
         if deadline is not None and time.monotonic() >= deadline:
@@ -502,11 +517,12 @@ def _finished(result: dict, recipe: ZooRecipe) -> bool:
 def recipe_status(recipe: ZooRecipe, runs_dir: Path, records_dir: Path | None = None) -> str:
     output_dir = runs_dir / recipe.name
     result_path = output_dir / RESULT_FILE
-    if result_path.is_file() and _finished(json.loads(result_path.read_text()), recipe):
+    result = json.loads(result_path.read_text()) if result_path.is_file() else None
+    if result is not None and _finished(result, recipe):
         return "finished"
     record = record_path(records_dir, recipe.name)
     recorded = json.loads(record.read_text()) if record is not None and record.is_file() else None
-    for result in (json.loads(result_path.read_text()) if result_path.is_file() else None, recorded):
+    for result in (result, recorded):
         changed = result and recipe_changes(result["recipe"], recipe)
         if changed:
             return f"its result is of an earlier version of the recipe ({', '.join(changed)} differ)"
@@ -515,7 +531,7 @@ def recipe_status(recipe: ZooRecipe, runs_dir: Path, records_dir: Path | None = 
     updates = max(trained_updates(output_dir), recorded["updates"] if recorded else 0)
     if updates:
         return f"{updates}/{recipe.updates} updates"
-    return "not started (trains on a CUDA GPU)" if recipe.task_settings.get("gpu") else "not started"
+    return "not started (trains on a CUDA GPU)" if recipe.trains_on_gpu else "not started"
 
 
 def _results(recipes: list[ZooRecipe], runs_dir: Path, records_dir: Path | None = None) -> list[dict]:
@@ -799,10 +815,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"no recipe named {', '.join(unknown)} (see `flexformers-zoo list`)")
         chosen = recipes if args.all else [known[name] for name in args.names]
         if args.all and not args.smoke:
-            import torch
-
-            gpu_only = [recipe.name for recipe in chosen if recipe.task_settings.get("gpu")]
-            if gpu_only and not torch.cuda.is_available():
+            gpu_only = [recipe.name for recipe in chosen if recipe.trains_on_gpu]
+            if gpu_only and not _cuda_available():
                 print(f"skipping the recipes trained on a CUDA GPU (this machine has none): {', '.join(gpu_only)}",
                       flush=True)
                 chosen = [recipe for recipe in chosen if recipe.name not in gpu_only]
