@@ -11,6 +11,7 @@ from flexformers.configuration.configuration_depth_adaptive import DepthAdaptive
 from flexformers.modeling.modeling_depth_adaptive import DepthAdaptiveForConditionalGeneration
 from flexformers.training_scripts.depth_adaptive_tools import (
     best_per_cost_bucket,
+    cheapest_reaching,
     pareto_front,
     plot_exits,
     plot_trade_off,
@@ -81,6 +82,12 @@ def test_threshold_sampling_buckets_and_pareto_front(tmp_path):
     ]
     assert [r["bleu"] for r in pareto_front(rows)] == [10.0, 12.0, 15.0]
     assert [r["bleu"] for r in best_per_cost_bucket(rows, bucket_width=0.5)] == [12.0, 11.0, 15.0]
+    front = pareto_front(rows)
+    assert cheapest_reaching(front, 11.5)["thresholds"] == [0.2]  # the first point of the front that matches
+    assert cheapest_reaching(front, 15.0)["thresholds"] == [0.4]
+    assert cheapest_reaching(front, 16.0)["thresholds"] == [0.4]  # none reaches it: the most accurate
+    with pytest.raises(ValueError, match="found no thresholds"):
+        cheapest_reaching([], 1.0)
     write_table(rows, tmp_path / "t.csv")
     assert (tmp_path / "t.csv").read_text().splitlines()[1].startswith("1.1,10.0,1,0.100")
     plot_trade_off(rows, pareto_front(rows), [{"average_exit": 1.0, "bleu": 9.0}], tmp_path / "f.png", "t")

@@ -268,6 +268,22 @@ def test_finished_recipes_are_recorded_for_later_sessions(tmp_path, capsys):
     assert zoo.main([*argv, "render", "--docs", str(docs)]) == 0
     assert "| base | baseline |" in docs.read_text() and "`mat` (not started)" in docs.read_text()
 
+    # evaluated again where its run folder is: its result is rewritten, its training kept
+    first = tmp_path / "session1" / "base"
+    session1 = ["--recipes", str(path), "--runs_dir", str(first.parent), "--records_dir", str(records)]
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    (first / zoo.RESULT_FILE).write_text(json.dumps({**result, "figures": {"stale": 1}}))
+    assert zoo.main([*session1, "reevaluate", "base", "--no_export"]) == 0
+    assert "base: test BLEU" in capsys.readouterr().out
+    again = json.loads((first / zoo.RESULT_FILE).read_text())
+    assert "stale" not in again["figures"] and again["test"] == result["test"]
+    assert (again["training_seconds"], again["validation_curve"]) == (result["training_seconds"],
+                                                                       result["validation_curve"])
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert json.loads((records / "base.json").read_text()) == result  # a smoke run is not recorded
+    assert zoo.main([*argv, "reevaluate", "base"]) == 1  # session 2 has only the record
+    assert "no finished run in" in capsys.readouterr().err
+
 
 def test_a_task_budget_applies_to_its_recipes_unless_one_sets_its_own(tmp_path):
     header = RECIPE_HEADER.replace("    warmup_steps: 1\n", "    warmup_steps: 1\n    updates: 7\n")
@@ -436,8 +452,56 @@ def test_every_shipped_recipe_runs_in_smoke_mode(tmp_path):
         assert (runs / "hub" / recipe.name / "README.md").is_file()
     adaptive = json.loads((runs / "depth-adaptive-translation-s1" / zoo.RESULT_FILE).read_text())["figures"]
     assert set(adaptive["depth_adaptive"]["fixed_exits"]) == {"1", "2", "3", "4"}
+    assert set(adaptive["depth_adaptive"]["validation_fixed_exits"]) == {"1", "2", "3", "4"}
+    assert len(adaptive["depth_adaptive"]["confidence"]["thresholds"]) == 3  # chosen on the validation sweep
     iot = json.loads((runs / "iot-translation-s1" / zoo.RESULT_FILE).read_text())["figures"]
     assert any("order usage" in name for name in iot)
     docs = tmp_path / "ZOO.md"
     assert zoo.main([*argv, "render", "--docs", str(docs)]) == 0
     assert all(f"| {recipe.name} |" in docs.read_text() for recipe in recipes)
+
+
+def _rendered_result(recipe: zoo.ZooRecipe, bleu: float, figures: dict, parameters: int) -> dict:
+    scores = {"bleu": bleu, "chrf": 50.0, "ter": 40.0}
+    return {**_recorded(recipe, recipe.updates), "parameters": parameters, "training_seconds": 60.0, "sessions": 1,
+            "machine": "test", "validation_curve": [], "figures": figures,
+            "test": {"metrics": scores, "copy_baseline": {"bleu": 17.0, "chrf": 30.0}, "num_beams": 4,
+                     "gain_over_copy": {"bleu": bleu - 17.0}}}
+
+
+def test_depth_adaptive_is_rendered_against_its_full_depth_reference(tmp_path):
+    """ZOO.md reads a Depth-Adaptive recipe's test exits against the same blocks trained without exits, with the
+    validation sweep its thresholds were chosen on; the plot keeps the two splits apart."""
+    path = write_recipes(tmp_path, (
+        "  - {name: da, task: word_order, model_type: depth_adaptive, claim: depth-adaptive}\n"
+        "  - {name: four-blocks, task: word_order, model_type: flexformer, claim: depth-adaptive}\n"))
+    adaptive, reference = zoo.load_recipes(path)
+    fixed = {str(n): {"bleu": b, "average_exit": float(n), "flops_per_token": 1e6 * n}
+             for n, b in ((1, 30.0), (2, 33.0))}
+    figures = {"depth_adaptive": {
+        "confidence": {"bleu": 32.5, "chrf": 51.0, "average_exit": 1.4, "flops_per_token": 2.5e6,
+                       "thresholds": [0.61], "chosen_on": "validation, first 500 sentences: the cheapest"},
+        "fixed_exits": fixed, "validation_examples": 500,
+        "validation_fixed_exits": {"1": {"bleu": 20.0, "average_exit": 1.0, "flops_per_token": 1e6},
+                                   "2": {"bleu": 22.0, "average_exit": 2.0, "flops_per_token": 2e6}},
+        "validation_pareto_front": [{"bleu": 21.0, "average_exit": 1.2, "flops_per_token": 2e6, "thresholds": [0.4]},
+                                    {"bleu": 22.1, "average_exit": 1.4, "flops_per_token": 2.5e6,
+                                     "thresholds": [0.61]}]}}
+    records = tmp_path / "records"
+    records.mkdir()
+    (records / "da.json").write_text(json.dumps(_rendered_result(adaptive, 32.5, figures, 3_000_000)))
+    docs = tmp_path / "ZOO.md"
+    zoo.render([adaptive, reference], tmp_path / "runs", docs, records)
+    text = docs.read_text()
+    assert "its full-depth reference without exits has not finished yet" in text
+    assert "| fixed exit 2 | 33.00 | — | 2.00 | 2.00 M |" in text
+
+    (records / "four-blocks.json").write_text(json.dumps(_rendered_result(reference, 34.0, {}, 2_000_000)))
+    zoo.render([adaptive, reference], tmp_path / "runs", docs, records)
+    text = docs.read_text()
+    assert "reference: `four-blocks`, the same blocks without exits, test BLEU 34.00 (2,000,000 parameters)" in text
+    assert "| fixed exit 1 | 30.00 | -4.00 | 1.00 | 1.00 M |" in text
+    assert "| confidence exits, τ = (0.61) | 32.50 | -1.50 | 1.40 | 2.50 M |" in text
+    assert ("the full depth scores 22.00 and the 2 points of the sweep's Pareto front 21.00 at AE 1.20, 22.10 at AE "
+            "1.40") in text
+    assert (tmp_path / "zoo" / "depth_adaptive_da.png").stat().st_size > 0

@@ -4,6 +4,7 @@
     flexformers-zoo run --all                  # train what is not finished (resuming), evaluate, export
     flexformers-zoo run --all --max_minutes 150  # ... stopping cleanly before a session's end; the next run goes on
     flexformers-zoo run baseline-translation-s1 iot-translation-s1
+    flexformers-zoo reevaluate depth-adaptive-translation-s1  # a finished recipe's evaluation again, no training
     flexformers-zoo render                     # docs/ZOO.md: the table and the plots, from the finished runs
     flexformers-zoo run --all --smoke          # every recipe for a few updates (CI)
 
@@ -49,6 +50,9 @@ SMOKE_UPDATES = 3
 FLAT_CURVE_GAIN = 0.5
 #: Test BLEU over copying the input from which a baseline counts as having learned its task.
 LEARNED_OVER_COPY = 15.0
+#: Depth-Adaptive's threshold sweep: sampled threshold vectors and validation sentences (the paper: 10k vectors on
+#: the whole validation set; 40 decodes of 500 sentences at beam 4 take about 8 minutes on two cores).
+DEPTH_ADAPTIVE_SWEEP = (40, 500)
 RECIPE_FIELDS = {"name", "task", "model_type", "seed", "updates", "size", "overrides", "flags", "init_from", "claim",
                  "eval_every", "eval_samples", "test_beams", "lr_scheduler"}
 TASK_FIELDS = {"what", "data", "vocab_size", "max_source_length", "max_target_length", "batch_size", "learning_rate",
@@ -353,7 +357,9 @@ def last_fifth_gain(curve: list[dict]) -> float | None:
 
 def method_analysis(recipe: ZooRecipe, output_dir: Path, test_sources: list[str], smoke: bool) -> dict:
     """The method's own figures: IOT order usage, MAT branches, InDIGO's left-to-right share, and for
-    Depth-Adaptive BLEU / average exit / FLOPs on the test split at every fixed exit and over a threshold sweep."""
+    Depth-Adaptive the paper's protocol (Sec. 3.2, 4.4): a threshold sweep on the validation split beside its fixed
+    exits, then the test split at every fixed exit and at the cheapest swept thresholds that reach the validation
+    BLEU of the full depth."""
     from flexformers.training_scripts import depth_adaptive_tools
     from flexformers.training_scripts.quickstart import method_figures
 
@@ -361,18 +367,28 @@ def method_analysis(recipe: ZooRecipe, output_dir: Path, test_sources: list[str]
     if recipe.model_type == "depth_adaptive":
         common = ["--model_name_or_path", str(output_dir), "--num_beams", "1" if smoke else str(recipe.test_beams),
                   "--batch_size", "64"] + (["--max_samples", "4", "--max_new_tokens", "8"] if smoke else [])
-        evaluated = depth_adaptive_tools.main(["evaluate", *common, "--split", "test", "--exit_strategy", "confidence",
-                                               "--all_fixed_exits"])
         sweep = depth_adaptive_tools.main([
             "threshold-search", *common, "--split", "validation", "--exit_strategy", "confidence",
-            "--num_samples", "3" if smoke else "40", *([] if smoke else ["--max_samples", "500"]),
+            "--num_samples", "3" if smoke else str(DEPTH_ADAPTIVE_SWEEP[0]),
+            *([] if smoke else ["--max_samples", str(DEPTH_ADAPTIVE_SWEEP[1])]),
             "--output_dir", str(output_dir / "threshold_search"),
         ])
+        chosen = sweep["matching_full_depth"]
+        evaluated = depth_adaptive_tools.main([
+            "evaluate", *common, "--split", "test", "--exit_strategy", "confidence", "--all_fixed_exits",
+            "--exit_thresholds", ",".join(f"{threshold:.6f}" for threshold in chosen["thresholds"])])
         figures["depth_adaptive"] = {
-            "confidence": {k: evaluated[k] for k in ("bleu", "chrf", "average_exit", "flops_per_token")},
+            "confidence": {**{k: evaluated[k] for k in ("bleu", "chrf", "average_exit", "flops_per_token")},
+                           "thresholds": evaluated["exit_thresholds"],
+                           "chosen_on": f"validation, first {sweep['num_examples']} sentences: the cheapest swept "
+                                        "thresholds reaching the full depth's BLEU (else the best)"},
             "fixed_exits": {block: {k: row[k] for k in ("bleu", "average_exit", "flops_per_token")}
                             for block, row in evaluated["fixed_exits"].items()},
-            "validation_pareto_front": [{k: row[k] for k in ("bleu", "average_exit", "thresholds")}
+            "validation_examples": sweep["num_examples"],
+            "validation_fixed_exits": {str(row["fixed_exit"]): {k: row[k] for k in ("bleu", "average_exit",
+                                                                                     "flops_per_token")}
+                                       for row in sweep["fixed_exits"]},
+            "validation_pareto_front": [{k: row[k] for k in ("bleu", "average_exit", "flops_per_token", "thresholds")}
                                         for row in sweep["pareto_front"]],
         }
     return figures
@@ -391,8 +407,7 @@ def run_recipe(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, export: b
     is left unfinished (returns None) for the next run to resume; nothing new starts after it. With
     ``records_dir``, a recipe recorded there (finished in an earlier session) is not run again, and a recipe that
     finishes is recorded there."""
-    from flexformers.training_scripts import decode, export_to_hub, train
-    from flexformers.training_scripts.quickstart import learning_curve
+    from flexformers.training_scripts import train
 
     output_dir = runs_dir / recipe.name
     result_path = output_dir / RESULT_FILE
@@ -448,6 +463,20 @@ def run_recipe(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, export: b
             return None
     if deadline is not None and time.monotonic() >= deadline:
         return None
+    result = evaluate_trained(recipe, runs_dir, smoke, export)
+    for path in (result_path, record):
+        if path is not None:
+            _write_result(path, result)
+    return result
+
+
+def evaluate_trained(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, export: bool = True) -> dict:
+    """The result of a recipe trained in ``runs_dir``: the test split decoded beside copying the input, the method's
+    figures, its learning curve and training record, and (with ``export``) its Hub folder."""
+    from flexformers.training_scripts import decode, export_to_hub
+    from flexformers.training_scripts.quickstart import learning_curve
+
+    output_dir = runs_dir / recipe.name
     progress = json.loads((output_dir / PROGRESS_FILE).read_text())
 
     evaluation = decode.run_from_argv([
@@ -492,7 +521,24 @@ def run_recipe(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, export: b
         if code:
             raise RuntimeError(f"exporting {output_dir} to {hub_dir} failed (exit {code})")
         result["hub_folder"] = str(hub_dir)
-    for path in (result_path, record):
+    return result
+
+
+def reevaluate(recipe: ZooRecipe, runs_dir: Path, records_dir: Path | None, export: bool = True) -> dict:
+    """Evaluate a finished recipe again from its trained model (after the evaluation or a method's analysis
+    changed), keeping its training: its result and record are rewritten, its weights and curve are not touched."""
+    output_dir = runs_dir / recipe.name
+    result_path = output_dir / RESULT_FILE
+    if not result_path.is_file() or not (output_dir / "model.safetensors").is_file():
+        raise ValueError(f"recipe {recipe.name!r} has no finished run in {output_dir} to evaluate again "
+                         f"(`flexformers-zoo run {recipe.name}` trains it)")
+    previous = json.loads(result_path.read_text())
+    _check_same_recipe(previous, recipe, result_path, output_dir)
+    if not _finished(previous, recipe):
+        raise ValueError(f"recipe {recipe.name!r} is at {previous['updates']} of {recipe.updates} updates: "
+                         f"`flexformers-zoo run {recipe.name}` trains it on and evaluates it")
+    result = evaluate_trained(recipe, runs_dir, previous["smoke"], export)
+    for path in (result_path, None if previous["smoke"] else record_path(records_dir, recipe.name)):
         if path is not None:
             _write_result(path, result)
     return result
@@ -605,9 +651,89 @@ def _figure_text(result: dict) -> str:
     adaptive = figures.pop("depth_adaptive", None)
     parts = [f"{name}: {value}" for name, value in figures.items()]
     if adaptive:
-        parts.append(f"confidence exit: BLEU {adaptive['confidence']['bleu']:.2f} at average exit "
+        chosen = " (thresholds chosen on validation)" if "chosen_on" in adaptive["confidence"] else ""
+        parts.append(f"confidence exit{chosen}: BLEU {adaptive['confidence']['bleu']:.2f} at average exit "
                      f"{adaptive['confidence']['average_exit']:.2f}")
     return "; ".join(parts).replace("|", "/")
+
+
+def _depth_adaptive_reference(result: dict, results: list[dict]) -> dict | None:
+    """The full-depth model without exits that a Depth-Adaptive recipe is read against: a finished recipe of the
+    same task and claim that is not itself Depth-Adaptive (the same blocks, one output classifier)."""
+    recipe = result["recipe"]
+    return next((other for other in results if other["recipe"]["task"] == recipe["task"]
+                 and other["recipe"]["claim"] == recipe["claim"]
+                 and other["recipe"]["model_type"] != "depth_adaptive"), None)
+
+
+def _depth_adaptive_lines(result: dict, reference: dict | None) -> list[str]:
+    """ZOO.md's table of a Depth-Adaptive recipe: the test split at every fixed exit and at its confidence
+    thresholds, each beside the full-depth reference, with the FLOPs per output token of Appendix B."""
+    figures, name = result["figures"]["depth_adaptive"], result["recipe"]["name"]
+    reference_bleu = None if reference is None else reference["test"]["metrics"]["bleu"]
+    if reference is None:
+        about = "its full-depth reference without exits has not finished yet"
+    else:
+        about = (f"reference: `{reference['recipe']['name']}`, the same blocks without exits, test BLEU "
+                 f"{reference_bleu:.2f} ({reference['parameters']:,} parameters)")
+    lines = ["", f"### Depth-Adaptive: `{name}` against its full depth", "",
+             f"Test split, beam {result['test']['num_beams']}; {about}. FLOPs per output token as in the paper's "
+             "Appendix B (confidence exits pay for the output classifier at every block they pass).", "",
+             "| decoding | test BLEU | − reference | average exit | FLOPs per token |", "|---|---|---|---|---|"]
+
+    def row(label: str, scores: dict) -> str:
+        difference = "—" if reference_bleu is None else f"{scores['bleu'] - reference_bleu:+.2f}"
+        return (f"| {label} | {scores['bleu']:.2f} | {difference} | {scores['average_exit']:.2f} | "
+                f"{scores['flops_per_token'] / 1e6:.2f} M |")
+
+    for block, scores in sorted(figures["fixed_exits"].items(), key=lambda item: int(item[0])):
+        lines.append(row(f"fixed exit {block}", scores))
+    confidence = figures["confidence"]
+    thresholds = ", ".join(f"{t:.2f}" for t in confidence.get("thresholds") or [])
+    lines.append(row(f"confidence exits, τ = ({thresholds})", confidence))
+    if "validation_fixed_exits" in figures:
+        full = figures["validation_fixed_exits"][str(len(figures["fixed_exits"]))]
+        lines += ["", f"The thresholds were {confidence['chosen_on']}: on those sentences the full depth scores "
+                      f"{full['bleu']:.2f} and the {len(figures['validation_pareto_front'])} points of the sweep's "
+                      "Pareto front " + ", ".join(f"{p['bleu']:.2f} at AE {p['average_exit']:.2f}"
+                                                   for p in figures["validation_pareto_front"]) + "."]
+    return lines
+
+
+def _plot_depth_adaptive(result: dict, reference: dict | None, path: Path) -> None:
+    """BLEU vs average exit as in the paper's Fig. 3: the validation sweep (its Pareto front and fixed exits) on the
+    left, the test split (fixed exits, the chosen thresholds, the full-depth reference) on the right: two panels,
+    since the two splits score on different scales."""
+    import matplotlib.pyplot as plt
+
+    figures = result["figures"]["depth_adaptive"]
+    figure, (validation, test) = plt.subplots(1, 2, figsize=(9, 3.8))
+
+    def fixed_line(axis, rows: dict, label: str) -> None:
+        ordered = sorted(rows.items(), key=lambda item: int(item[0]))
+        axis.plot([r["average_exit"] for _, r in ordered], [r["bleu"] for _, r in ordered], marker="s", label=label)
+
+    front = figures["validation_pareto_front"]
+    validation.plot([r["average_exit"] for r in front], [r["bleu"] for r in front], marker="o", alpha=0.7,
+                    label="threshold sweep, Pareto front")
+    if "validation_fixed_exits" in figures:
+        fixed_line(validation, figures["validation_fixed_exits"], "fixed exit")
+    validation.set_title(f"validation ({figures.get('validation_examples', '')} sentences)", fontsize=9)
+    fixed_line(test, figures["fixed_exits"], "fixed exit")
+    test.plot([figures["confidence"]["average_exit"]], [figures["confidence"]["bleu"]], marker="*", markersize=13,
+              linestyle="none", label="confidence, thresholds from validation")
+    if reference is not None:
+        test.axhline(reference["test"]["metrics"]["bleu"], color="black", linestyle="--",
+                     label=f"{reference['recipe']['name']} (no exits)")
+    test.set_title("test", fontsize=9)
+    for axis in (validation, test):
+        axis.set_xlabel("average exit (decoder blocks)")
+        axis.set_ylabel("BLEU")
+        axis.legend(fontsize=7)
+    figure.suptitle(f"Depth-Adaptive: BLEU vs average exit ({result['recipe']['name']})", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
 
 
 def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_dir: Path | None = None) -> Path:
@@ -674,6 +800,8 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
             lines.append(f"| {row['recipe']} | {row['claim']} | {row['bleu']:.2f} | {baseline['bleu']['mean']:.2f} ± "
                          f"{baseline['bleu']['sd']:.2f} ({len(baseline['seeds'])}) | {row['difference']:+.2f} | "
                          f"{in_sd} | {baseline['converged_seeds']} of {len(baseline['seeds'])} seeds |")
+    for result in (r for r in results if "depth_adaptive" in r["figures"]):
+        lines += _depth_adaptive_lines(result, _depth_adaptive_reference(result, results))
     if not results:
         lines += ["", "No recipe has finished yet: the table fills in as `flexformers-zoo run --all` completes them."]
     finished = {result["recipe"]["name"] for result in results}
@@ -707,26 +835,9 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
         figure.savefig(path, dpi=100)
         plt.close(figure)
         plots.append((f"Learning curves, {task}", path))
-    adaptive = [r for r in results if "depth_adaptive" in r["figures"]]
-    for result in adaptive:
-        figures = result["figures"]["depth_adaptive"]
-        figure, axis = plt.subplots(figsize=(6, 4))
-        fixed = sorted(figures["fixed_exits"].items(), key=lambda item: int(item[0]))
-        axis.plot([row["average_exit"] for _, row in fixed], [row["bleu"] for _, row in fixed], marker="s",
-                  label="fixed exit (test)")
-        axis.plot([figures["confidence"]["average_exit"]], [figures["confidence"]["bleu"]], marker="*",
-                  markersize=12, linestyle="none", label="confidence thresholds (test)")
-        front = figures["validation_pareto_front"]
-        axis.plot([row["average_exit"] for row in front], [row["bleu"] for row in front], marker="o", alpha=0.6,
-                  label="threshold sweep, Pareto front (validation)")
-        axis.set_xlabel("average exit (decoder blocks)")
-        axis.set_ylabel("BLEU")
-        axis.set_title(f"Depth-Adaptive: BLEU vs average exit ({result['recipe']['name']})", fontsize=9)
-        axis.legend(fontsize=7)
-        figure.tight_layout()
+    for result in (r for r in results if "depth_adaptive" in r["figures"]):
         path = plots_dir / f"depth_adaptive_{result['recipe']['name']}.png"
-        figure.savefig(path, dpi=100)
-        plt.close(figure)
+        _plot_depth_adaptive(result, _depth_adaptive_reference(result, results), path)
         plots.append(("Depth-Adaptive: BLEU vs average exit", path))
     indigo = [r for r in results if r["recipe"]["model_type"] == "indigo"]
     if indigo:
@@ -785,6 +896,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max_minutes", type=float, default=None,
                      help="stop training cleanly after this many minutes (a checkpoint is saved; the next `run` "
                           "resumes it); a recipe whose test evaluation has started still finishes it (a few minutes)")
+    again = commands.add_parser("reevaluate", help="evaluate finished recipes again from their trained models "
+                                                   "(after the evaluation or a method's analysis changed)")
+    again.add_argument("names", nargs="+", help="finished recipes whose run folders are here (see `list`)")
+    again.add_argument("--no_export", action="store_true", help="skip the Hub folders")
     render_parser = commands.add_parser("render", help="write docs/ZOO.md and its plots from the finished runs")
     render_parser.add_argument("--docs", default="docs/ZOO.md", help="(default: %(default)s)")
     return parser
@@ -807,12 +922,18 @@ def main(argv: list[str] | None = None) -> int:
             path = render(recipes, runs_dir, Path(args.docs), records_dir)
             print(f"wrote {path}")
             return 0
-        if bool(args.names) == args.all:
-            raise ValueError("name the recipes to run, or pass --all (not both)")
         known = {recipe.name: recipe for recipe in recipes}
         unknown = [name for name in args.names if name not in known]
         if unknown:
             raise ValueError(f"no recipe named {', '.join(unknown)} (see `flexformers-zoo list`)")
+        if args.command == "reevaluate":
+            for name in args.names:
+                result = reevaluate(known[name], runs_dir, records_dir, export=not args.no_export)
+                print(f"{name}: test BLEU {result['test']['metrics']['bleu']:.2f} (copying "
+                      f"{result['test']['copy_baseline']['bleu']:.2f}), evaluated again", flush=True)
+            return 0
+        if bool(args.names) == args.all:
+            raise ValueError("name the recipes to run, or pass --all (not both)")
         chosen = recipes if args.all else [known[name] for name in args.names]
         if args.all and not args.smoke:
             gpu_only = [recipe.name for recipe in chosen if recipe.trains_on_gpu]
