@@ -502,6 +502,6 @@ def test_depth_adaptive_is_rendered_against_its_full_depth_reference(tmp_path):
     assert "reference: `four-blocks`, the same blocks without exits, test BLEU 34.00 (2,000,000 parameters)" in text
     assert "| fixed exit 1 | 30.00 | -4.00 | 1.00 | 1.00 M |" in text
     assert "| confidence exits, τ = (0.61) | 32.50 | -1.50 | 1.40 | 2.50 M |" in text
-    assert ("the full depth scores 22.00 and the 2 points of the sweep's Pareto front 21.00 at AE 1.20, 22.10 at AE "
-            "1.40") in text
+    assert ("How the thresholds were chosen: validation, first 500 sentences: the cheapest. On those sentences the "
+            "full depth scores 22.00; the sweep's Pareto front (2 points): 21.00 at AE 1.20, 22.10 at AE 1.40.") in text
     assert (tmp_path / "zoo" / "depth_adaptive_da.png").stat().st_size > 0

@@ -693,10 +693,10 @@ def _depth_adaptive_lines(result: dict, reference: dict | None) -> list[str]:
     lines.append(row(f"confidence exits, τ = ({thresholds})", confidence))
     if "validation_fixed_exits" in figures:
         full = figures["validation_fixed_exits"][str(len(figures["fixed_exits"]))]
-        lines += ["", f"The thresholds were {confidence['chosen_on']}: on those sentences the full depth scores "
-                      f"{full['bleu']:.2f} and the {len(figures['validation_pareto_front'])} points of the sweep's "
-                      "Pareto front " + ", ".join(f"{p['bleu']:.2f} at AE {p['average_exit']:.2f}"
-                                                   for p in figures["validation_pareto_front"]) + "."]
+        lines += ["", f"How the thresholds were chosen: {confidence['chosen_on']}. On those sentences the full depth "
+                      f"scores {full['bleu']:.2f}; the sweep's Pareto front ({len(figures['validation_pareto_front'])} "
+                      "points): " + ", ".join(f"{p['bleu']:.2f} at AE {p['average_exit']:.2f}"
+                                              for p in figures["validation_pareto_front"]) + "."]
     return lines
 
 
