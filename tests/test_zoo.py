@@ -193,6 +193,7 @@ def test_smoke_runs_resume_and_render(tmp_path):
         assert result["updates"] == zoo.SMOKE_UPDATES and result["smoke"]
         assert set(result["test"]["metrics"]) == set(result["test"]["copy_baseline"]) == {"bleu", "chrf", "ter"}
         assert result["test"]["output_constraint"] == "permutation of the source words"
+        assert set(result["test"]["unconstrained"]["metrics"]) == {"bleu", "chrf", "ter"}  # InDIGO's reading
         assert (runs / "hub" / name / "README.md").is_file() and (runs / "hub" / name / "config.json").is_file()
     assert json.loads((runs / "mat" / "config.json").read_text())["model_type"] == "mat"
 
@@ -505,3 +506,53 @@ def test_depth_adaptive_is_rendered_against_its_full_depth_reference(tmp_path):
     assert ("How the thresholds were chosen: validation, first 500 sentences: the cheapest. On those sentences the "
             "full depth scores 22.00; the sweep's Pareto front (2 points): 21.00 at AE 1.20, 22.10 at AE 1.40.") in text
     assert (tmp_path / "zoo" / "depth_adaptive_da.png").stat().st_size > 0
+
+
+def test_insertion_decoding_is_read_against_the_baseline_decoded_without_its_constraint():
+    """On word order the baseline's own score is decoded under the permutation constraint; InDIGO's is not (nor is
+    it in its paper), so InDIGO is compared with the baseline's unconstrained decoding of the same test split."""
+    results = [_result(f"baseline-word-order-s{seed}", "word_order", "baseline", seed, bleu)
+               for seed, bleu in ((1, 68.0), (2, 70.0))]
+    for result, unconstrained in zip(results, (60.0, 64.0)):
+        result["test"]["output_constraint"] = "permutation of the source words"
+        result["test"]["unconstrained"] = {"metrics": {"bleu": unconstrained}}
+    results.append(_result("indigo-l2r-word-order", "word_order", "indigo", 1, 63.0))
+    results[-1]["test"]["output_constraint"] = None
+    spread = zoo.seed_spread(results)
+    assert spread[0]["bleu"]["mean"] == 69.0
+    assert spread[0]["unconstrained_bleu"] == {"mean": 62.0, "sd": round(2 * 2 ** 0.5, 2), "min": 60.0, "max": 64.0}
+    [row] = zoo.against_baseline(results, spread)
+    assert row["baseline_decoding"] == "unconstrained" and row["difference"] == 1.0
+    # a method decoded under the same constraint as the baseline is read against its constrained score
+    results[-1]["test"]["output_constraint"] = "permutation of the source words"
+    [row] = zoo.against_baseline(results, zoo.seed_spread(results))
+    assert row["baseline_decoding"] == "its own" and row["difference"] == -6.0
+
+
+def test_indigo_orders_are_rendered_against_l2r_and_the_baseline(tmp_path):
+    path = write_recipes(tmp_path, (
+        "  - {name: base-s1, task: word_order, model_type: flexformer, seed: 1, claim: baseline}\n"
+        "  - {name: base-s2, task: word_order, model_type: flexformer, seed: 2, claim: baseline}\n"
+        "  - {name: l2r, task: word_order, model_type: indigo, flags: [--order, l2r], claim: indigo}\n"
+        "  - {name: sao, task: word_order, model_type: indigo, flags: [--order, sao], init_from: l2r, claim: indigo}\n"))
+    recipes = zoo.load_recipes(path)
+    records = tmp_path / "records"
+    records.mkdir()
+    share = "insertions right of the previous word (left-to-right share)"
+    for recipe, bleu, unconstrained in zip(recipes, (68.0, 70.0, 50.0, 52.5), (60.0, 64.0, None, None)):
+        result = _rendered_result(recipe, bleu, {} if unconstrained else {share: 0.9}, 1_000_000)
+        if unconstrained is not None:
+            result["test"]["output_constraint"] = "permutation of the source words"
+            result["test"]["unconstrained"] = {"metrics": {"bleu": unconstrained}}
+        (records / f"{recipe.name}.json").write_text(json.dumps(result))
+    docs = tmp_path / "ZOO.md"
+    zoo.render(recipes, tmp_path / "runs", docs, records)
+    text = docs.read_text()
+    assert "### InDIGO on word_order: generation orders against L2R" in text
+    assert "| l2r | l2r | 50.00 | 50.00 | 40.00 | +0.00 | 0.9 |" in text
+    assert "| sao | sao | 52.50 | 50.00 | 40.00 | +2.50 | 0.9 |" in text
+    assert ("test BLEU 69.00 ± 1.41 with outputs constrained to a permutation of the source words, and "
+            "62.00 ± 2.83 without the constraint.") in text
+    assert "| sao | indigo | 52.50 | 62.00 ± 2.83 (2 unconstrained) | -9.50 | -3.4 |" in text
+    assert "test BLEU decoded without the permutation of the source words constraint: 60.00" in text
+    assert (tmp_path / "zoo" / "indigo_orders.png").stat().st_size > 0

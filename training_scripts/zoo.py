@@ -479,11 +479,19 @@ def evaluate_trained(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, exp
     output_dir = runs_dir / recipe.name
     progress = json.loads((output_dir / PROGRESS_FILE).read_text())
 
-    evaluation = decode.run_from_argv([
+    test_decoding = [
         "--model_name_or_path", str(output_dir), "--split", "test",
-        "--num_beams", "1" if smoke else str(recipe.test_beams), "--batch_size", "64", "--num_samples_to_print", "3",
+        "--num_beams", "1" if smoke else str(recipe.test_beams), "--batch_size", "64",
         *(["--max_samples", "4", "--max_new_tokens", "8"] if smoke else []),
-    ])
+    ]
+    evaluation = decode.run_from_argv([*test_decoding, "--num_samples_to_print", "3"])
+    unconstrained = None
+    if evaluation["output_constraint"]:
+        # InDIGO inserts anywhere and decodes without the constraint (as in its paper), so the baseline it is
+        # compared with is decoded that way too, beside its constrained score
+        unconstrained = decode.run_from_argv([
+            *test_decoding, "--num_samples_to_print", "0", "--permutation_of_source", "false",
+            "--write_eval_results", "false", "--output_file", str(output_dir / "generations.test.unconstrained.txt")])
     from flexformers.training_scripts.arguments import DataArguments
     from flexformers.training_scripts.data import load_corpus
 
@@ -515,6 +523,8 @@ def evaluate_trained(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, exp
         "last_fifth_gain": last_fifth_gain(curve),
         "figures": figures,
     }
+    if unconstrained is not None:
+        result["test"]["unconstrained"] = {key: unconstrained[key] for key in ("metrics", "gain_over_copy")}
     if export:
         hub_dir = runs_dir / "hub" / recipe.name
         code = export_to_hub.main([str(output_dir), str(hub_dir), "--overwrite"])
@@ -623,15 +633,24 @@ def seed_spread(results: list[dict]) -> list[dict]:
                "seeds": sorted(member["recipe"]["seed"] for member in members),
                "converged_seeds": sum(converged(member) for member in members)}
         for metric in ("bleu", "chrf"):
-            values = [member["test"]["metrics"][metric] for member in members]
-            row[metric] = {"mean": round(statistics.mean(values), 2), "sd": round(statistics.stdev(values), 2),
-                           "min": min(values), "max": max(values)}
+            row[metric] = _spread([member["test"]["metrics"][metric] for member in members])
+        if all("unconstrained" in member["test"] for member in members):
+            row["unconstrained_bleu"] = _spread([member["test"]["unconstrained"]["metrics"]["bleu"]
+                                                 for member in members])
         spread.append(row)
     return spread
 
 
+def _spread(values: list[float]) -> dict:
+    return {"mean": round(statistics.mean(values), 2), "sd": round(statistics.stdev(values), 2),
+            "min": min(values), "max": max(values)}
+
+
 def against_baseline(results: list[dict], spread: list[dict]) -> list[dict]:
-    """Every method's test BLEU minus the mean of its task's baseline seeds, in units of their standard deviation."""
+    """Every method's test BLEU minus the mean of its task's baseline seeds, in units of their standard deviation.
+
+    The baseline is read as the method decodes: a method decoded without the output constraint that the baseline's
+    own score uses (InDIGO on word order) is compared with the baseline's unconstrained decoding."""
     baselines = {row["task"]: row for row in spread if row["claim"] == "baseline"}
     rows = []
     for result in results:
@@ -639,10 +658,15 @@ def against_baseline(results: list[dict], spread: list[dict]) -> list[dict]:
         baseline = baselines.get(recipe["task"])
         if recipe["claim"] == "baseline" or baseline is None:
             continue
-        difference = result["test"]["metrics"]["bleu"] - baseline["bleu"]["mean"]
+        scores = baseline["bleu"]
+        if not result["test"].get("output_constraint") and "unconstrained_bleu" in baseline:
+            scores = baseline["unconstrained_bleu"]
+        difference = result["test"]["metrics"]["bleu"] - scores["mean"]
         rows.append({"recipe": recipe["name"], "claim": recipe["claim"], "bleu": result["test"]["metrics"]["bleu"],
-                     "baseline": baseline, "difference": round(difference, 2),
-                     "in_sd": round(difference / baseline["bleu"]["sd"], 1) if baseline["bleu"]["sd"] else None})
+                     "baseline": baseline, "baseline_bleu": scores,
+                     "baseline_decoding": "unconstrained" if scores is not baseline["bleu"] else "its own",
+                     "difference": round(difference, 2),
+                     "in_sd": round(difference / scores["sd"], 1) if scores["sd"] else None})
     return rows
 
 
@@ -650,6 +674,10 @@ def _figure_text(result: dict) -> str:
     figures = dict(result["figures"])
     adaptive = figures.pop("depth_adaptive", None)
     parts = [f"{name}: {value}" for name, value in figures.items()]
+    unconstrained = result["test"].get("unconstrained")
+    if unconstrained:
+        parts.append(f"test BLEU decoded without the {result['test']['output_constraint']} constraint: "
+                     f"{unconstrained['metrics']['bleu']:.2f}")
     if adaptive:
         chosen = " (thresholds chosen on validation)" if "chosen_on" in adaptive["confidence"] else ""
         parts.append(f"confidence exit{chosen}: BLEU {adaptive['confidence']['bleu']:.2f} at average exit "
@@ -698,6 +726,45 @@ def _depth_adaptive_lines(result: dict, reference: dict | None) -> list[str]:
                       "points): " + ", ".join(f"{p['bleu']:.2f} at AE {p['average_exit']:.2f}"
                                               for p in figures["validation_pareto_front"]) + "."]
     return lines
+
+
+def _indigo_lines(results: list[dict], spread: list[dict]) -> list[str]:
+    """ZOO.md's table of InDIGO's generation orders on each task, every one beside L2R (the claim: SAO >= L2R,
+    Sec. 5) and the left-to-right baseline's seeds decoded with and without the output constraint."""
+    lines = []
+    for task in sorted({r["recipe"]["task"] for r in results if r["recipe"]["model_type"] == "indigo"}):
+        indigo = [r for r in results if r["recipe"]["model_type"] == "indigo" and r["recipe"]["task"] == task]
+        l2r = next((r for r in indigo if _training_order(r) == "l2r"), None)
+        l2r_bleu = None if l2r is None else l2r["test"]["metrics"]["bleu"]
+        lines += ["", f"### InDIGO on {task}: generation orders against L2R", "",
+                  f"Test split, beam {indigo[0]['test']['num_beams']}, outputs not constrained; "
+                  + ("L2R has not finished yet." if l2r is None else f"L2R: `{l2r['recipe']['name']}`.")
+                  + " The left-to-right share is over greedy insertions on 500 test sentences.", "",
+                  "| training order | recipe | test BLEU | chrF | TER | − L2R | left-to-right share |",
+                  "|---|---|---|---|---|---|---|"]
+        for result in indigo:
+            metrics = result["test"]["metrics"]
+            difference = "—" if l2r_bleu is None else f"{metrics['bleu'] - l2r_bleu:+.2f}"
+            share = next((value for name, value in result["figures"].items() if "left-to-right share" in name), "—")
+            lines.append(f"| {_training_order(result)} | {result['recipe']['name']} | {metrics['bleu']:.2f} | "
+                         f"{metrics['chrf']:.2f} | {metrics['ter']:.2f} | {difference} | {share} |")
+        baseline = next((row for row in spread if row["task"] == task and row["claim"] == "baseline"), None)
+        if baseline is not None:
+            constraint = next((r["test"].get("output_constraint") for r in results
+                               if seed_group(r["recipe"]["name"]) == baseline["group"]), None)
+            scores = [f"{baseline['bleu']['mean']:.2f} ± {baseline['bleu']['sd']:.2f}"
+                      + (f" with outputs constrained to a {constraint}" if constraint else "")]
+            if "unconstrained_bleu" in baseline:
+                scores.append(f"{baseline['unconstrained_bleu']['mean']:.2f} ± "
+                              f"{baseline['unconstrained_bleu']['sd']:.2f} without the constraint")
+            lines += ["", f"The left-to-right Transformer baseline (`{baseline['group']}`, {len(baseline['seeds'])} "
+                          f"seeds, same width, depth and budget): test BLEU {', and '.join(scores)}."]
+    return lines
+
+
+def _training_order(result: dict) -> str:
+    flags = result["recipe"].get("flags") or []
+    return flags[flags.index("--order") + 1] if "--order" in flags else "l2r"
 
 
 def _plot_depth_adaptive(result: dict, reference: dict | None, path: Path) -> None:
@@ -790,18 +857,24 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
     if compared:
         lines += ["", "### Against the baseline's seeds", "",
                   "A row whose baseline seeds have not all converged compares how fast two models start, not what "
-                  "a paper claims: read nothing from it.", "",
+                  "a paper claims: read nothing from it. The baseline is decoded as the method is: InDIGO inserts "
+                  "tokens anywhere and is not constrained to a permutation of the input on word order (its paper "
+                  "does not restrict it either), so it is read against the baseline decoded without that "
+                  "constraint (\"unconstrained\").", "",
                   "| recipe | claim | test BLEU | baseline mean ± sd (seeds) | difference | in baseline sd | "
                   "baseline converged |",
                   "|---|---|---|---|---|---|---|"]
         for row in compared:
             baseline = row["baseline"]
             in_sd = "—" if row["in_sd"] is None else f"{row['in_sd']:+.1f}"
-            lines.append(f"| {row['recipe']} | {row['claim']} | {row['bleu']:.2f} | {baseline['bleu']['mean']:.2f} ± "
-                         f"{baseline['bleu']['sd']:.2f} ({len(baseline['seeds'])}) | {row['difference']:+.2f} | "
+            scores = row["baseline_bleu"]
+            decoded = " unconstrained" if row["baseline_decoding"] == "unconstrained" else ""
+            lines.append(f"| {row['recipe']} | {row['claim']} | {row['bleu']:.2f} | {scores['mean']:.2f} ± "
+                         f"{scores['sd']:.2f} ({len(baseline['seeds'])}{decoded}) | {row['difference']:+.2f} | "
                          f"{in_sd} | {baseline['converged_seeds']} of {len(baseline['seeds'])} seeds |")
     for result in (r for r in results if "depth_adaptive" in r["figures"]):
         lines += _depth_adaptive_lines(result, _depth_adaptive_reference(result, results))
+    lines += _indigo_lines(results, spread)
     if not results:
         lines += ["", "No recipe has finished yet: the table fills in as `flexformers-zoo run --all` completes them."]
     finished = {result["recipe"]["name"] for result in results}
@@ -846,6 +919,11 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
         axis.bar(names, [r["test"]["metrics"]["bleu"] for r in indigo], color="tab:blue")
         axis.axhline(indigo[0]["test"]["copy_baseline"]["bleu"], color="black", linestyle="--",
                      label="copying the input")
+        baseline = next((row for row in spread if row["task"] == indigo[0]["recipe"]["task"]
+                         and row["claim"] == "baseline" and "unconstrained_bleu" in row), None)
+        if baseline is not None:
+            axis.axhline(baseline["unconstrained_bleu"]["mean"], color="tab:green", linestyle=":",
+                         label=f"left-to-right baseline, unconstrained ({len(baseline['seeds'])} seeds)")
         axis.set_ylabel("test BLEU")
         axis.set_title("InDIGO: generation orders (SAO vs L2R and the predefined orders)", fontsize=9)
         axis.tick_params(axis="x", labelrotation=30, labelsize=7)
