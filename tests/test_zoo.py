@@ -534,12 +534,15 @@ def test_indigo_orders_are_rendered_against_l2r_and_the_baseline(tmp_path):
         "  - {name: base-s1, task: word_order, model_type: flexformer, seed: 1, claim: baseline}\n"
         "  - {name: base-s2, task: word_order, model_type: flexformer, seed: 2, claim: baseline}\n"
         "  - {name: l2r, task: word_order, model_type: indigo, flags: [--order, l2r], claim: indigo}\n"
-        "  - {name: sao, task: word_order, model_type: indigo, flags: [--order, sao], init_from: l2r, claim: indigo}\n"))
+        "  - {name: sao, task: word_order, model_type: indigo, flags: [--order, sao], init_from: l2r, claim: indigo}\n"
+        "  - {name: l2r-on, task: word_order, model_type: indigo, flags: [--order, l2r], init_from: l2r, "
+        "claim: indigo}\n"
+        "  - {name: r2l, task: word_order, model_type: indigo, flags: [--order, r2l], claim: indigo}\n"))
     recipes = zoo.load_recipes(path)
     records = tmp_path / "records"
     records.mkdir()
     share = "insertions right of the previous word (left-to-right share)"
-    for recipe, bleu, unconstrained in zip(recipes, (68.0, 70.0, 50.0, 52.5), (60.0, 64.0, None, None)):
+    for recipe, bleu, unconstrained in zip(recipes, (68.0, 70.0, 50.0, 52.5, 51.0, 49.0), (60.0, 64.0) + (None,) * 4):
         result = _rendered_result(recipe, bleu, {} if unconstrained else {share: 0.9}, 1_000_000)
         if unconstrained is not None:
             result["test"]["output_constraint"] = "permutation of the source words"
@@ -549,8 +552,11 @@ def test_indigo_orders_are_rendered_against_l2r_and_the_baseline(tmp_path):
     zoo.render(recipes, tmp_path / "runs", docs, records)
     text = docs.read_text()
     assert "### InDIGO on word_order: generation orders against L2R" in text
-    assert "| l2r | l2r | 50.00 | 50.00 | 40.00 | +0.00 | 0.9 |" in text
-    assert "| sao | sao | 52.50 | 50.00 | 40.00 | +2.50 | 0.9 |" in text
+    # SAO against L2R trained on from the same model for as long; L2R trained on and R2L against L2R from scratch
+    assert "| l2r | l2r | 3 | 50.00 | 50.00 | 40.00 | — | — | 0.9 |" in text
+    assert "| sao | sao | 3 after `l2r` | 52.50 | 50.00 | 40.00 | +1.50 | l2r-on | 0.9 |" in text
+    assert "| l2r | l2r-on | 3 after `l2r` | 51.00 | 50.00 | 40.00 | +1.00 | l2r | 0.9 |" in text
+    assert "| r2l | r2l | 3 | 49.00 | 50.00 | 40.00 | -1.00 | l2r | 0.9 |" in text
     assert ("test BLEU 69.00 ± 1.41 with outputs constrained to a permutation of the source words, and "
             "62.00 ± 2.83 without the constraint.") in text
     assert "| sao | indigo | 52.50 | 62.00 ± 2.83 (2 unconstrained) | -9.50 | -3.4 |" in text

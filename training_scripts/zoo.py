@@ -734,20 +734,24 @@ def _indigo_lines(results: list[dict], spread: list[dict]) -> list[str]:
     lines = []
     for task in sorted({r["recipe"]["task"] for r in results if r["recipe"]["model_type"] == "indigo"}):
         indigo = [r for r in results if r["recipe"]["model_type"] == "indigo" and r["recipe"]["task"] == task]
-        l2r = next((r for r in indigo if _training_order(r) == "l2r"), None)
-        l2r_bleu = None if l2r is None else l2r["test"]["metrics"]["bleu"]
         lines += ["", f"### InDIGO on {task}: generation orders against L2R", "",
-                  f"Test split, beam {indigo[0]['test']['num_beams']}, outputs not constrained; "
-                  + ("L2R has not finished yet." if l2r is None else f"L2R: `{l2r['recipe']['name']}`.")
-                  + " The left-to-right share is over greedy insertions on 500 test sentences.", "",
-                  "| training order | recipe | test BLEU | chrF | TER | − L2R | left-to-right share |",
-                  "|---|---|---|---|---|---|---|"]
+                  f"Test split, beam {indigo[0]['test']['num_beams']}, outputs not constrained. Each order is read "
+                  "against L2R trained from the same start for the same updates (a recipe trained on from another "
+                  "model, as SAO from L2R, against L2R trained on from it alike), else against L2R from scratch. "
+                  "The left-to-right share is over greedy insertions on 500 test sentences.", "",
+                  "| training order | recipe | updates | test BLEU | chrF | TER | − L2R | L2R read against | "
+                  "left-to-right share |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for result in indigo:
-            metrics = result["test"]["metrics"]
-            difference = "—" if l2r_bleu is None else f"{metrics['bleu'] - l2r_bleu:+.2f}"
+            recipe, metrics = result["recipe"], result["test"]["metrics"]
+            reference = _l2r_reference(result, indigo)
+            difference = "—" if reference is None else \
+                f"{metrics['bleu'] - reference['test']['metrics']['bleu']:+.2f}"
+            start = f"{result['updates']:,}" + (f" after `{recipe['init_from']}`" if recipe.get("init_from") else "")
             share = next((value for name, value in result["figures"].items() if "left-to-right share" in name), "—")
-            lines.append(f"| {_training_order(result)} | {result['recipe']['name']} | {metrics['bleu']:.2f} | "
-                         f"{metrics['chrf']:.2f} | {metrics['ter']:.2f} | {difference} | {share} |")
+            lines.append(f"| {_training_order(result)} | {recipe['name']} | {start} | {metrics['bleu']:.2f} | "
+                         f"{metrics['chrf']:.2f} | {metrics['ter']:.2f} | {difference} | "
+                         f"{'—' if reference is None else reference['recipe']['name']} | {share} |")
         baseline = next((row for row in spread if row["task"] == task and row["claim"] == "baseline"), None)
         if baseline is not None:
             constraint = next((r["test"].get("output_constraint") for r in results
@@ -758,8 +762,19 @@ def _indigo_lines(results: list[dict], spread: list[dict]) -> list[str]:
                 scores.append(f"{baseline['unconstrained_bleu']['mean']:.2f} ± "
                               f"{baseline['unconstrained_bleu']['sd']:.2f} without the constraint")
             lines += ["", f"The left-to-right Transformer baseline (`{baseline['group']}`, {len(baseline['seeds'])} "
-                          f"seeds, same width, depth and budget): test BLEU {', and '.join(scores)}."]
+                          f"seeds, same width and depth, trained from scratch for the L2R run's updates): test BLEU "
+                          f"{', and '.join(scores)}."]
     return lines
+
+
+def _l2r_reference(result: dict, indigo: list[dict]) -> dict | None:
+    """The InDIGO L2R run that ``result`` is read against: trained from the same start (another recipe's model,
+    or scratch) for the same updates when there is one, else from scratch (None for that run itself)."""
+    l2r = [r for r in indigo if _training_order(r) == "l2r" and r is not result]
+    start = result["recipe"].get("init_from")
+    same_start = [r for r in l2r if r["recipe"].get("init_from") == start and r["updates"] == result["updates"]]
+    from_scratch = [r for r in l2r if not r["recipe"].get("init_from")]
+    return (same_start or from_scratch or [None])[0]
 
 
 def _training_order(result: dict) -> str:
