@@ -739,7 +739,7 @@ def _indigo_lines(results: list[dict], spread: list[dict]) -> list[str]:
                   "against L2R trained from the same start for the same updates (a recipe trained on from another "
                   "model, as SAO from L2R, against L2R trained on from it alike), else against L2R from scratch. "
                   "The left-to-right share is over greedy insertions on 500 test sentences.", "",
-                  "| training order | recipe | updates | test BLEU | chrF | TER | − L2R | L2R read against | "
+                  "| training order | recipe | updates | test BLEU | chrF | TER | − L2R | that L2R run | "
                   "left-to-right share |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for result in indigo:
