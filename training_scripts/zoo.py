@@ -909,8 +909,12 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
         for result in (r for r in results if r["recipe"]["task"] == task):
             curve = result["validation_curve"]
             if curve:
-                axis.plot([p["update"] for p in curve], [p["bleu"] for p in curve], marker=".",
-                          label=result["recipe"]["name"])
+                constraint = result["test"].get("output_constraint")
+                # a run trained on from another recipe's model is drawn after that model's updates
+                initial = next((r for r in results if r["recipe"]["name"] == result["recipe"].get("init_from")), None)
+                offset = 0 if initial is None else initial["updates"]
+                axis.plot([offset + p["update"] for p in curve], [p["bleu"] for p in curve], marker=".",
+                          label=result["recipe"]["name"] + (f" (outputs: {constraint})" if constraint else ""))
                 copy_line = curve[-1].get("copy_bleu") or copy_line
         if copy_line is not None:
             axis.axhline(copy_line, color="black", linestyle="--", label=f"copying the input ({copy_line:.1f})")
