@@ -10,6 +10,7 @@
 # 2. The recipes train side by side for that budget (flexformers-zoo run, one process each, no Hub export: the
 #    weights of a lent machine cannot come back), then decode the test split; their results are written to
 #    docs/zoo/results/ as on any machine.
+#     BUDGET=750 RECIPES=depth-adaptive-translation-gpu-s1 bash benchmarks/zoo_gpu.sh   (no probe: a given budget)
 # Results, logs, the rewritten recipe file and each run's trainer_state.json are packed into $OUT/zoo-gpu.tar.gz.
 # A recipe recorded in docs/zoo/results is finished and is not trained again, and a cosine run does not train on to
 # a new budget: to train the GPU recipes for another budget, move their records to docs/zoo/superseded/ first.
@@ -73,16 +74,21 @@ print('torch', torch.__version__, 'transformers', transformers.__version__, 'dat
 grep -q "^torch" "$LOGS/environment.txt" || exit 1
 ZOO=(flexformers-zoo --recipes "$RECIPE_FILE")
 
-# 1. The speed probe (its runs are thrown away; the corpus cache it builds is kept).
-for recipe in $RECIPES; do
-    "${ZOO[@]}" --runs_dir /tmp/zoo-probe --records_dir /tmp/zoo-probe-records run "$recipe" --no_export \
-        --max_minutes "$PROBE_MINUTES" > "$LOGS/probe-$recipe.log" 2>&1 &
-done
-wait
-TRAIN_SECONDS=$((LIMIT - (SECONDS - START) - FINISH_SECONDS - 20))
-PROBE_BUDGET=$(sed -n "/^  translation_gpu:/,/^recipes:/ s/^    updates: \([0-9]*\).*/\1/p" "$RECIPE_FILE")
-BUDGET=$(python3 benchmarks/zoo_gpu_budget.py "$LOGS" "$TRAIN_SECONDS" "$PROBE_BUDGET" 250 $RECIPES) || exit 1
-echo "training window ${TRAIN_SECONDS} s -> budget ${BUDGET} updates" | tee -a "$LOGS/environment.txt"
+# 1. The speed probe (its runs are thrown away; the corpus cache it builds is kept). BUDGET=<updates> skips it and
+#    trains at that budget: the budget already recorded, to add a recipe that a cut-off call left unfinished.
+if [ -n "${BUDGET:-}" ]; then
+    echo "budget ${BUDGET} updates (given, no probe)" | tee -a "$LOGS/environment.txt"
+else
+    for recipe in $RECIPES; do
+        "${ZOO[@]}" --runs_dir /tmp/zoo-probe --records_dir /tmp/zoo-probe-records run "$recipe" --no_export \
+            --max_minutes "$PROBE_MINUTES" > "$LOGS/probe-$recipe.log" 2>&1 &
+    done
+    wait
+    TRAIN_SECONDS=$((LIMIT - (SECONDS - START) - FINISH_SECONDS - 20))
+    PROBE_BUDGET=$(sed -n "/^  translation_gpu:/,/^recipes:/ s/^    updates: \([0-9]*\).*/\1/p" "$RECIPE_FILE")
+    BUDGET=$(python3 benchmarks/zoo_gpu_budget.py "$LOGS" "$TRAIN_SECONDS" "$PROBE_BUDGET" 250 $RECIPES) || exit 1
+    echo "training window ${TRAIN_SECONDS} s -> budget ${BUDGET} updates" | tee -a "$LOGS/environment.txt"
+fi
 sed -i "/^  translation_gpu:/,/^recipes:/ s/^    updates: [0-9]*/    updates: $BUDGET/" "$RECIPE_FILE"
 grep -A14 "^  translation_gpu:" "$RECIPE_FILE" | grep "updates:"
 
