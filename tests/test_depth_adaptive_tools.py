@@ -11,6 +11,7 @@ from flexformers.configuration.configuration_depth_adaptive import DepthAdaptive
 from flexformers.modeling.modeling_depth_adaptive import DepthAdaptiveForConditionalGeneration
 from flexformers.training_scripts.depth_adaptive_tools import (
     best_per_cost_bucket,
+    build_parser,
     cheapest_reaching,
     pareto_front,
     plot_exits,
@@ -67,6 +68,14 @@ def test_two_stage_schedule_continues_a_stage_one_checkpoint_with_a_new_halting_
     source = torch.randint(4, 40, (2, 5))
     output = stage_two.train()(input_ids=source, labels=torch.randint(4, 40, (2, 4)))
     assert output.exit_loss is not None and output.loss > output.decoding_loss
+
+
+def test_the_tools_decode_on_the_device_asked_for_else_on_a_gpu_when_there_is_one():
+    """The tools once loaded every model on the CPU, so a sweep on a GPU machine ran on its CPU (~100 s a threshold
+    set at the IWSLT size); the default device is now resolved when the model is loaded."""
+    for command in ("evaluate", "threshold-search", "exit-picture"):
+        assert build_parser().parse_args([command, "--model_name_or_path", "m"]).device is None
+        assert build_parser().parse_args([command, "--model_name_or_path", "m", "--device", "cpu"]).device == "cpu"
 
 
 def test_threshold_sampling_buckets_and_pareto_front(tmp_path):

@@ -291,13 +291,15 @@ def _common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fixed_exit", type=int, default=None)
     parser.add_argument("--exit_thresholds", default=None, help="N-1 comma-separated thresholds.")
     parser.add_argument("--bf16", action="store_true", help="Cast the weights to bfloat16.")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available).")
     parser.add_argument("--seed", type=int, default=0)
 
 
 def _load(args):
     from flexformers.training_scripts.decode import load_model
 
-    model, source_tokenizer, target_tokenizer = load_model(args.model_name_or_path, "cpu", args.bf16)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, source_tokenizer, target_tokenizer = load_model(args.model_name_or_path, device, args.bf16)
     if model.config.model_type != "depth_adaptive":
         raise ValueError(f"{args.model_name_or_path} is a {model.config.model_type!r} model, not depth_adaptive")
     sources, references, data_args = load_split(args.model_name_or_path, args.split, args.max_samples, {})

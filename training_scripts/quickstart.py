@@ -214,12 +214,12 @@ def method_figures(model_type: str, output_dir: str, sources: list[str], limit: 
 
     if model_type == "flexformer":
         return {}
-    model, source_tokenizer, target_tokenizer = load_model(output_dir)
+    model, source_tokenizer, target_tokenizer = load_model(output_dir, "cuda" if torch.cuda.is_available() else "cpu")
     if model_type == "mat":
         config = model.config
         return {"attention branches (encoder/decoder)": f"{config.encoder_attention_branches}/"
                 f"{config.decoder_attention_branches}", "drop-branch rate": getattr(config, "drop_branch_rate", None)}
-    batch = source_tokenizer(sources[:limit], return_tensors="pt", padding=True)
+    batch = source_tokenizer(sources[:limit], return_tensors="pt", padding=True).to(model.device)
     # max_length=None: the saved generation config's (Trainer writes 20) would only warn beside max_new_tokens
     lengths = {"max_new_tokens": 64, "max_length": None}
     with torch.no_grad():
