@@ -562,3 +562,30 @@ def test_indigo_orders_are_rendered_against_l2r_and_the_baseline(tmp_path):
     assert "| sao | indigo | 52.50 | 62.00 ± 2.83 (2 unconstrained) | -9.50 | -3.4 |" in text
     assert "test BLEU decoded without the permutation of the source words constraint: 60.00" in text
     assert (tmp_path / "zoo" / "indigo_orders.png").stat().st_size > 0
+
+
+def test_a_method_trained_on_from_a_baseline_is_read_against_the_baseline_trained_on_alike(tmp_path):
+    """MAT's second phase re-warms the learning rate and adds updates: ZOO.md reads it against the baseline trained on
+    from the same model for the same updates at the same peak rate (not a different rate), and says when that
+    control is missing; every row of the main table names its peak rate."""
+    path = write_recipes(tmp_path, (
+        "  - {name: half, task: word_order, model_type: flexformer, updates: 3, claim: mat-init}\n"
+        "  - {name: mat-fast, task: word_order, model_type: mat, updates: 3, init_from: half, claim: mat}\n"
+        "  - {name: mat-slow, task: word_order, model_type: mat, updates: 3, init_from: half, claim: mat, "
+        "flags: [--learning_rate, '3e-4']}\n"
+        "  - {name: half-on-slow, task: word_order, model_type: flexformer, updates: 3, init_from: half, "
+        "claim: mat-init, flags: [--learning_rate, '3e-4']}\n"))
+    recipes = zoo.load_recipes(path)
+    records = tmp_path / "records"
+    records.mkdir()
+    for recipe, bleu in zip(recipes, (40.0, 39.0, 42.5, 41.0)):
+        (records / f"{recipe.name}.json").write_text(json.dumps(_rendered_result(recipe, bleu, {}, 1_000)))
+    docs = tmp_path / "ZOO.md"
+    zoo.render(recipes, tmp_path / "runs", docs, records)
+    text = docs.read_text()
+    rate = recipes[0].task_settings["learning_rate"]
+    assert "### Methods trained on from a baseline's model, against the baseline trained on alike" in text
+    assert f"| mat-fast | half (40.00) | 3 ({rate:g}) | 39.00 | not trained | — | — |" in text
+    assert "| mat-slow | half (40.00) | 3 (0.0003) | 42.50 | half-on-slow | 41.00 | +1.50 |" in text
+    assert f"| half | mat-init | 1 | 1,000 | 3 ({recipes[0].lr_scheduler}, {rate:g}) |" in text
+    assert f"| mat-slow | mat | 1 | 1,000 | 3 ({recipes[0].lr_scheduler}, 0.0003) |" in text

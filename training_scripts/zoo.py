@@ -641,6 +641,11 @@ def seed_spread(results: list[dict]) -> list[dict]:
     return spread
 
 
+def baseline_spread(spread: list[dict], task: str) -> dict | None:
+    """The seed spread of ``task``'s baseline (a row of :func:`seed_spread`), None before two seeds are finished."""
+    return next((row for row in spread if row["task"] == task and row["claim"] == "baseline"), None)
+
+
 def _spread(values: list[float]) -> dict:
     return {"mean": round(statistics.mean(values), 2), "sd": round(statistics.stdev(values), 2),
             "min": min(values), "max": max(values)}
@@ -651,11 +656,10 @@ def against_baseline(results: list[dict], spread: list[dict]) -> list[dict]:
 
     The baseline is read as the method decodes: a method decoded without the output constraint that the baseline's
     own score uses (InDIGO on word order) is compared with the baseline's unconstrained decoding."""
-    baselines = {row["task"]: row for row in spread if row["claim"] == "baseline"}
     rows = []
     for result in results:
         recipe = result["recipe"]
-        baseline = baselines.get(recipe["task"])
+        baseline = baseline_spread(spread, recipe["task"])
         if recipe["claim"] == "baseline" or baseline is None:
             continue
         scores = baseline["bleu"]
@@ -752,7 +756,7 @@ def _indigo_lines(results: list[dict], spread: list[dict]) -> list[str]:
             lines.append(f"| {_training_order(result)} | {recipe['name']} | {start} | {metrics['bleu']:.2f} | "
                          f"{metrics['chrf']:.2f} | {metrics['ter']:.2f} | {difference} | "
                          f"{'—' if reference is None else reference['recipe']['name']} | {share} |")
-        baseline = next((row for row in spread if row["task"] == task and row["claim"] == "baseline"), None)
+        baseline = baseline_spread(spread, task)
         if baseline is not None:
             constraint = next((r["test"].get("output_constraint") for r in results
                                if seed_group(r["recipe"]["name"]) == baseline["group"]), None)
@@ -775,6 +779,55 @@ def _l2r_reference(result: dict, indigo: list[dict]) -> dict | None:
     same_start = [r for r in l2r if r["recipe"].get("init_from") == start and r["updates"] == result["updates"]]
     from_scratch = [r for r in l2r if not r["recipe"].get("init_from")]
     return (same_start or from_scratch or [None])[0]
+
+
+def _peak_learning_rate(recipe: dict) -> float | None:
+    """The recipe's peak learning rate: its own ``--learning_rate`` flag (recipe flags come last and win), else its
+    task's."""
+    flags = list(recipe.get("flags") or [])
+    if "--learning_rate" in flags:
+        return float(flags[flags.index("--learning_rate") + 1])
+    rate = (recipe.get("task_settings") or {}).get("learning_rate")
+    return None if rate is None else float(rate)
+
+
+def _baseline_trained_on_alike(result: dict, results: list[dict]) -> dict | None:
+    """The control of a method trained on from another recipe's model (MAT from its proximal initialisation): the
+    baseline model type trained on from the same model for the same updates at the same peak rate."""
+    recipe = result["recipe"]
+    return next((other for other in results if other is not result
+                 and other["recipe"]["model_type"] == "flexformer"
+                 and other["recipe"].get("init_from") == recipe["init_from"]
+                 and other["updates"] == result["updates"]
+                 and _peak_learning_rate(other["recipe"]) == _peak_learning_rate(recipe)), None)
+
+
+def _trained_on_lines(results: list[dict]) -> list[str]:
+    """ZOO.md's table of the methods trained on from a baseline's model, each beside its control: the second phase
+    re-warms the learning rate and adds updates that the method's own structure is not credited with."""
+    started = [r for r in results if r["recipe"].get("init_from") and r["recipe"]["model_type"] != "flexformer"
+               and r["recipe"]["model_type"] != "indigo"]  # InDIGO's orders have their own section
+    if not started:
+        return []
+    by_name = {r["recipe"]["name"]: r for r in results}
+    lines = ["", "### Methods trained on from a baseline's model, against the baseline trained on alike", "",
+             "The control is the baseline trained on from the same model for the same updates at the same peak "
+             "learning rate: the difference is what the method adds, not what its second phase does.", "",
+             "| recipe | starting model (its test BLEU) | updates (peak rate) | test BLEU | control | control BLEU | "
+             "− control |",
+             "|---|---|---|---|---|---|---|"]
+    for result in started:
+        recipe, bleu = result["recipe"], result["test"]["metrics"]["bleu"]
+        initial = by_name.get(recipe["init_from"])
+        start = recipe["init_from"] + ("" if initial is None else f" ({initial['test']['metrics']['bleu']:.2f})")
+        control = _baseline_trained_on_alike(result, results)
+        control_bleu = None if control is None else control["test"]["metrics"]["bleu"]
+        rate = _peak_learning_rate(recipe)
+        lines.append(f"| {recipe['name']} | {start} | {result['updates']:,}{'' if rate is None else f' ({rate:g})'} | "
+                     f"{bleu:.2f} | {'not trained' if control is None else control['recipe']['name']} | "
+                     f"{'—' if control is None else f'{control_bleu:.2f}'} | "
+                     f"{'—' if control is None else f'{bleu - control_bleu:+.2f}'} |")
+    return lines
 
 
 def _training_order(result: dict) -> str:
@@ -849,7 +902,8 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
         gain = last_fifth_gain(result["validation_curve"])  # from the curve, so every row follows today's criterion
         lines.append(
             f"| {recipe['name']} | {recipe['claim']} | {recipe['seed']} | {result['parameters']:,} | "
-            f"{result['updates']:,} ({recipe.get('lr_scheduler', 'inverse_sqrt')}) | "
+            f"{result['updates']:,} ({recipe.get('lr_scheduler', 'inverse_sqrt')}"
+            f"{'' if _peak_learning_rate(recipe) is None else f', {_peak_learning_rate(recipe):g}'}) | "
             f"{result['training_seconds'] / 60:.0f} min ({result['sessions']} run(s)) | "
             f"{result['machine']} | {metrics['bleu']:.2f} | {metrics['chrf']:.2f} | {metrics['ter']:.2f} | "
             f"{copy['bleu']:.2f} / {copy['chrf']:.2f} | {test['gain_over_copy']['bleu']:+.2f} | "
@@ -889,6 +943,7 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
                          f"{in_sd} | {baseline['converged_seeds']} of {len(baseline['seeds'])} seeds |")
     for result in (r for r in results if "depth_adaptive" in r["figures"]):
         lines += _depth_adaptive_lines(result, _depth_adaptive_reference(result, results))
+    lines += _trained_on_lines(results)
     lines += _indigo_lines(results, spread)
     if not results:
         lines += ["", "No recipe has finished yet: the table fills in as `flexformers-zoo run --all` completes them."]
@@ -938,9 +993,8 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
         axis.bar(names, [r["test"]["metrics"]["bleu"] for r in indigo], color="tab:blue")
         axis.axhline(indigo[0]["test"]["copy_baseline"]["bleu"], color="black", linestyle="--",
                      label="copying the input")
-        baseline = next((row for row in spread if row["task"] == indigo[0]["recipe"]["task"]
-                         and row["claim"] == "baseline" and "unconstrained_bleu" in row), None)
-        if baseline is not None:
+        baseline = baseline_spread(spread, indigo[0]["recipe"]["task"])
+        if baseline is not None and "unconstrained_bleu" in baseline:
             axis.axhline(baseline["unconstrained_bleu"]["mean"], color="tab:green", linestyle=":",
                          label=f"left-to-right baseline, unconstrained ({len(baseline['seeds'])} seeds)")
         axis.set_ylabel("test BLEU")
