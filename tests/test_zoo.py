@@ -589,3 +589,4 @@ def test_a_method_trained_on_from_a_baseline_is_read_against_the_baseline_traine
     assert "| mat-slow | half (40.00) | 3 (0.0003) | 42.50 | half-on-slow | 41.00 | +1.50 |" in text
     assert f"| half | mat-init | 1 | 1,000 | 3 ({recipes[0].lr_scheduler}, {rate:g}) |" in text
     assert f"| mat-slow | mat | 1 | 1,000 | 3 ({recipes[0].lr_scheduler}, 0.0003) |" in text
+    assert not (tmp_path / "zoo" / "curves_word_order.png").exists()  # no run has a curve: no empty plot

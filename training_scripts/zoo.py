@@ -958,7 +958,7 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
             f"[{folder.name}]({folder.relative_to(docs_path.parent).as_posix()}/README.md)" for folder in superseded)
             + "."]
     plots = []
-    for task in sorted({result["recipe"]["task"] for result in results}):
+    for task in sorted({result["recipe"]["task"] for result in results if result["validation_curve"]}):
         figure, axis = plt.subplots(figsize=(7.5, 4.2))
         copy_line = None
         for result in (r for r in results if r["recipe"]["task"] == task):
