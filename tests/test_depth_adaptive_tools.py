@@ -70,12 +70,26 @@ def test_two_stage_schedule_continues_a_stage_one_checkpoint_with_a_new_halting_
     assert output.exit_loss is not None and output.loss > output.decoding_loss
 
 
-def test_the_tools_decode_on_the_device_asked_for_else_on_a_gpu_when_there_is_one():
+def test_the_tools_decode_on_the_device_asked_for_else_on_a_gpu_when_there_is_one(monkeypatch):
     """The tools once loaded every model on the CPU, so a sweep on a GPU machine ran on its CPU (~100 s a threshold
-    set at the IWSLT size); the default device is now resolved when the model is loaded."""
-    for command in ("evaluate", "threshold-search", "exit-picture"):
-        assert build_parser().parse_args([command, "--model_name_or_path", "m"]).device is None
-        assert build_parser().parse_args([command, "--model_name_or_path", "m", "--device", "cpu"]).device == "cpu"
+    set at the IWSLT size): the model now goes where --device says, else to the GPU when there is one."""
+    from flexformers.training_scripts import decode
+    from flexformers.training_scripts.depth_adaptive_tools import _load
+
+    placed = []
+
+    def load_model(path, device, bf16):
+        placed.append(device)
+        raise RuntimeError("loaded")
+
+    monkeypatch.setattr(decode, "load_model", load_model)
+    for has_gpu, argv, expected in ((True, [], "cuda"), (False, [], "cpu"), (True, ["--device", "cpu"], "cpu"),
+                                    (False, ["--device", "cuda:1"], "cuda:1")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: has_gpu)
+        for command in ("evaluate", "threshold-search", "exit-picture"):
+            with pytest.raises(RuntimeError, match="loaded"):
+                _load(build_parser().parse_args([command, "--model_name_or_path", "m", *argv]))
+            assert placed.pop() == expected
 
 
 def test_threshold_sampling_buckets_and_pareto_front(tmp_path):

@@ -93,6 +93,11 @@ class DecodeArguments:
                 raise ValueError(f"--text: input {index} is empty; give the texts to decode")
 
 
+def resolve_device(requested: str | None) -> str:
+    """The device a command decodes on: the one asked for, else the GPU when there is one."""
+    return requested or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu", bf16: bool = False):
     """(model, source tokenizer, target tokenizer) from a directory written by ``flexformers-train``.
 
@@ -253,7 +258,7 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[DecodeArguments, Dat
 def run(decode_args: DecodeArguments, data_args: DataArguments) -> dict:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     torch.manual_seed(decode_args.seed)
-    device = decode_args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(decode_args.device)
     model, source_tokenizer, target_tokenizer = load_model(decode_args.model_name_or_path, device, decode_args.bf16)
     max_new_tokens = decode_args.max_new_tokens or data_args.max_target_length
     permutation = uses_permutation_of_source(decode_args.permutation_of_source, data_args.task, model.config.model_type)

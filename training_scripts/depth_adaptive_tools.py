@@ -296,10 +296,10 @@ def _common_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args):
-    from flexformers.training_scripts.decode import load_model
+    from flexformers.training_scripts.decode import load_model, resolve_device
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, source_tokenizer, target_tokenizer = load_model(args.model_name_or_path, device, args.bf16)
+    model, source_tokenizer, target_tokenizer = load_model(args.model_name_or_path, resolve_device(args.device),
+                                                           args.bf16)
     if model.config.model_type != "depth_adaptive":
         raise ValueError(f"{args.model_name_or_path} is a {model.config.model_type!r} model, not depth_adaptive")
     sources, references, data_args = load_split(args.model_name_or_path, args.split, args.max_samples, {})

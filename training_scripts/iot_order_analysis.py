@@ -21,7 +21,7 @@ from transformers import HfArgumentParser
 
 from flexformers.training_scripts.arguments import DataArguments, describe_dataset
 from flexformers.training_scripts.data import SPLITS, load_corpus
-from flexformers.training_scripts.decode import generate_texts, load_model
+from flexformers.training_scripts.decode import generate_texts, load_model, resolve_device
 from flexformers.training_scripts.metrics_utils import compute_generation_metrics
 
 logger = logging.getLogger("flexformers.iot_orders")
@@ -167,7 +167,7 @@ def plot_table(table: dict, path: str | Path) -> None:
 
 def run(args: OrderAnalysisArguments) -> dict:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(args.device)
     model, source_tokenizer, target_tokenizer = load_model(args.model_name_or_path, device)
     if getattr(model.config, "model_type", None) != "iot":
         raise ValueError(f"{args.model_name_or_path} is a {model.config.model_type!r} model; this tool needs an iot model")

@@ -210,11 +210,11 @@ def method_figures(model_type: str, output_dir: str, sources: list[str], limit: 
     left-to-right insertions, MAT's branches."""
     import torch
 
-    from flexformers.training_scripts.decode import load_model
+    from flexformers.training_scripts.decode import load_model, resolve_device
 
     if model_type == "flexformer":
         return {}
-    model, source_tokenizer, target_tokenizer = load_model(output_dir, "cuda" if torch.cuda.is_available() else "cpu")
+    model, source_tokenizer, target_tokenizer = load_model(output_dir, resolve_device(None))
     if model_type == "mat":
         config = model.config
         return {"attention branches (encoder/decoder)": f"{config.encoder_attention_branches}/"

@@ -781,12 +781,16 @@ def _l2r_reference(result: dict, indigo: list[dict]) -> dict | None:
     return (same_start or from_scratch or [None])[0]
 
 
-def _peak_learning_rate(recipe: dict) -> float | None:
-    """The recipe's peak learning rate: its own ``--learning_rate`` flag (recipe flags come last and win), else its
-    task's."""
+def _flag_value(recipe: dict, flag: str) -> str | None:
+    """The value a recipe's own flags give ``flag`` (recipe flags come last and win), None where they do not set it."""
     flags = list(recipe.get("flags") or [])
-    if "--learning_rate" in flags:
-        return float(flags[flags.index("--learning_rate") + 1])
+    return flags[flags.index(flag) + 1] if flag in flags else None
+
+
+def _peak_learning_rate(recipe: dict) -> float | None:
+    """The recipe's peak learning rate: its own ``--learning_rate`` flag, else its task's."""
+    if _flag_value(recipe, "--learning_rate") is not None:
+        return float(_flag_value(recipe, "--learning_rate"))
     rate = (recipe.get("task_settings") or {}).get("learning_rate")
     return None if rate is None else float(rate)
 
@@ -831,8 +835,7 @@ def _trained_on_lines(results: list[dict]) -> list[str]:
 
 
 def _training_order(result: dict) -> str:
-    flags = result["recipe"].get("flags") or []
-    return flags[flags.index("--order") + 1] if "--order" in flags else "l2r"
+    return _flag_value(result["recipe"], "--order") or "l2r"
 
 
 def _plot_depth_adaptive(result: dict, reference: dict | None, path: Path) -> None:
