@@ -11,6 +11,12 @@
 #    weights of a lent machine cannot come back), then decode the test split; their results are written to
 #    docs/zoo/results/ as on any machine.
 #     BUDGET=750 RECIPES=depth-adaptive-translation-gpu-s1 bash benchmarks/zoo_gpu.sh   (no probe: a given budget)
+#     HEAD_START_MINUTES=7 RECIPES="iot-translation-s1 indigo-r2l-word-order" bash benchmarks/zoo_gpu.sh
+#   (a head start for CPU recipes: each trains at most that many minutes on the GPU, from its own recipe, budget
+#   and seed; no probe, the recipe file is not touched. A recipe that finishes is decoded and recorded there. Each
+#   unfinished run folder, with its newest checkpoint only, is packed into $OUT/head-start.tar.part-* (pieces of
+#   15 MiB, as a lent machine returns files). On the CPU machine, `cat head-start.tar.part-* | tar -x -C runs/zoo`
+#   and `flexformers-zoo run <recipe>` resumes each run where the GPU left it; its record lists both machines.)
 # Results, logs, the rewritten recipe file and each run's trainer_state.json are packed into $OUT/zoo-gpu.tar.gz.
 # A recipe recorded in docs/zoo/results is finished and is not trained again, and a cosine run does not train on to
 # a new budget: to train the GPU recipes for another budget, move their records to docs/zoo/superseded/ first.
@@ -76,7 +82,29 @@ ZOO=(flexformers-zoo --recipes "$RECIPE_FILE")
 
 # 1. The speed probe (its runs are thrown away; the corpus cache it builds is kept). BUDGET=<updates> skips it and
 #    trains at that budget: the budget already recorded, to add a recipe that a cut-off call left unfinished.
-if [ -n "${BUDGET:-}" ]; then
+if [ -n "${HEAD_START_MINUTES:-}" ]; then
+    echo "head start: at most ${HEAD_START_MINUTES} minutes of training per recipe" | tee -a "$LOGS/environment.txt"
+    REMAINING=$((LIMIT - (SECONDS - START) - 45))
+    for recipe in $RECIPES; do
+        timeout "$REMAINING" "${ZOO[@]}" run "$recipe" --no_export --max_minutes "$HEAD_START_MINUTES" \
+            > "$LOGS/$recipe.log" 2>&1 &
+    done
+    wait
+    unfinished=()
+    for recipe in $RECIPES; do
+        run=runs/zoo/$recipe
+        echo "== $recipe"; tr '\r' '\n' < "$LOGS/$recipe.log" | grep -a -E "test BLEU|Error|[0-9]+/[0-9]+ \[" | tail -2
+        [ -d "$run" ] && [ ! -f "$run/zoo_result.json" ] || continue
+        last=$(ls -d "$run"/checkpoint-* 2>/dev/null | sort -V | tail -1)
+        [ -n "$last" ] || continue
+        unfinished+=($(find "$run" -maxdepth 1 -type f -printf "$recipe/%f\n") "$recipe/$(basename "$last")")
+    done
+    if [ ${#unfinished[@]} -gt 0 ]; then
+        tar -cf - -C runs/zoo "${unfinished[@]}" | split -b 15M -d - "$PACK/head-start.tar.part-"
+        ls -la "$PACK"/head-start.tar.part-*
+    fi
+    exit 0
+elif [ -n "${BUDGET:-}" ]; then
     echo "budget ${BUDGET} updates (given, no probe)" | tee -a "$LOGS/environment.txt"
 else
     for recipe in $RECIPES; do

@@ -402,6 +402,17 @@ def test_the_run_state_is_read_from_its_furthest_trained_point(tmp_path):
     assert (zoo.trained_updates(run), zoo.planned_updates(run)) == (20, 30)
 
 
+def test_a_run_trained_in_turn_on_several_machines_names_each_with_its_updates():
+    """A GPU head start resumed on a CPU (benchmarks/zoo_gpu.sh HEAD_START_MINUTES): the record says both, in order;
+    the segments of one machine, over several sessions, read as that machine alone."""
+    gpu, cpu = "NVIDIA H100 80GB HBM3", "AMD EPYC, 2 CPU threads"
+    segments = [{"from_update": 0, "to_update": 10934, "machine": gpu},
+                {"from_update": 10934, "to_update": 16437, "machine": gpu},
+                {"from_update": 16437, "to_update": 25000, "machine": cpu}]
+    assert zoo.machines_trained_on(segments) == f"{gpu} (16,437 updates), then {cpu} (8,563 updates)"
+    assert zoo.machines_trained_on(segments[:2]) == gpu
+
+
 def test_gpu_recipes_train_with_tf32_on_a_gpu_and_are_refused_or_skipped_without_one(tmp_path, monkeypatch, capsys):
     word_order = RECIPE_HEADER[RECIPE_HEADER.index("  word_order:"):]
     header = RECIPE_HEADER + word_order.replace("  word_order:", "  word_order_gpu:") + "    gpu: true\n"

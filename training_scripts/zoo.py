@@ -322,6 +322,21 @@ def _record_segment(output_dir: Path, seconds: float, from_step: int, to_step: i
     return progress
 
 
+def machines_trained_on(segments: list[dict]) -> str:
+    """The machine that trained a run; where several did in turn (a GPU head start resumed on a CPU,
+    benchmarks/zoo_gpu.sh), each in order with its updates."""
+    turns: list[list] = []
+    for segment in segments:
+        updates = segment["to_update"] - segment["from_update"]
+        if turns and turns[-1][0] == segment["machine"]:
+            turns[-1][1] += updates
+        else:
+            turns.append([segment["machine"], updates])
+    if len(turns) == 1:
+        return turns[0][0]
+    return ", then ".join(f"{machine} ({updates:,} updates)" for machine, updates in turns)
+
+
 def validation_curve(output_dir: Path) -> list[dict]:
     """(update, validation BLEU/chrF, copy BLEU) of every curve point in the run's history."""
     state = json.loads((output_dir / "trainer_state.json").read_text())
@@ -515,7 +530,8 @@ def evaluate_trained(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, exp
         "epochs": round(state.get("epoch") or 0.0, 2),
         "training_seconds": round(sum(segment["seconds"] for segment in progress["segments"]), 1),
         "sessions": len(progress["segments"]),
-        "machine": progress["segments"][-1]["machine"],
+        "machine": machines_trained_on(progress["segments"]),
+        "segments": progress["segments"],
         "test": {key: evaluation[key] for key in ("num_examples", "metrics", "copy_baseline", "gain_over_copy",
                                                   "sacrebleu_signature", "chrf_signature", "ter_signature",
                                                   "num_beams", "output_constraint")},
