@@ -468,6 +468,9 @@ def test_every_shipped_recipe_runs_in_smoke_mode(tmp_path):
     assert len(adaptive["depth_adaptive"]["confidence"]["thresholds"]) == 3  # chosen on the validation sweep
     iot = json.loads((runs / "iot-translation-s1" / zoo.RESULT_FILE).read_text())["figures"]
     assert any("order usage" in name for name in iot)
+    case_verification = iot[zoo.IOT_CASE_VERIFICATION]  # the paper's Fig. 2 on the test split
+    assert case_verification["orders"] == [1, 2, 3] and sum(case_verification["subsets"].values()) == 4
+    assert set(case_verification["overall"]) == {"1", "2", "3", "predicted"}
     docs = tmp_path / "ZOO.md"
     assert zoo.main([*argv, "render", "--docs", str(docs)]) == 0
     assert all(f"| {recipe.name} |" in docs.read_text() for recipe in recipes)
@@ -479,6 +482,31 @@ def _rendered_result(recipe: zoo.ZooRecipe, bleu: float, figures: dict, paramete
             "machine": "test", "validation_curve": [], "figures": figures,
             "test": {"metrics": scores, "copy_baseline": {"bleu": 17.0, "chrf": 30.0}, "num_beams": 4,
                      "gain_over_copy": {"bleu": bleu - 17.0}}}
+
+
+def test_iot_case_verification_is_rendered_as_the_papers_figure_2(tmp_path):
+    """ZOO.md shows each IOT recipe's test sentences grouped by predicted order and decoded with every order, the
+    best of each group in bold, beside IOT's own decoding and the best single order; the main table names both."""
+    path = write_recipes(tmp_path, "  - {name: iot, task: word_order, model_type: iot, claim: iot}\n")
+    (recipe,) = zoo.load_recipes(path)
+    figures = {"decoder order usage (paper code: share)": {"1": 0.6, "2": 0.4},
+               zoo.IOT_CASE_VERIFICATION: {
+                   "metric": "bleu", "orders": [1, 2], "subsets": {"1": 6, "2": 4},
+                   "scores": {"1": {"1": 60.5, "2": 59.7}, "2": {"1": 37.2, "2": 37.3}},
+                   "overall": {"1": 50.9, "2": 50.5, "predicted": 50.8}}}
+    records = tmp_path / "records"
+    records.mkdir()
+    (records / "iot.json").write_text(json.dumps(_rendered_result(recipe, 50.8, figures, 2_000_000)))
+    docs = tmp_path / "ZOO.md"
+    zoo.render([recipe], tmp_path / "runs", docs, records)
+    text = docs.read_text()
+    assert "| subset (predicted order) | sentences | order 1 | order 2 |" in text
+    assert "| set 1 | 6 | **60.50** | 59.70 |" in text and "| set 2 | 4 | 37.20 | **37.30** |" in text
+    assert "| all | 10 | 50.90 | 50.50 |" in text
+    assert ("Each sentence decoded with its own predicted order (IOT's inference): 50.80; every sentence with the "
+            "best single order (1): 50.90.") in text
+    assert "each sentence with its predicted order 50.80, the best single order (1) 50.90" in text
+    assert (tmp_path / "zoo" / "iot_case_verification_iot.png").stat().st_size > 0
 
 
 def test_depth_adaptive_is_rendered_against_its_full_depth_reference(tmp_path):

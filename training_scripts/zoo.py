@@ -53,6 +53,8 @@ LEARNED_OVER_COPY = 15.0
 #: Depth-Adaptive's threshold sweep: sampled threshold vectors and validation sentences (the paper: 10k vectors on
 #: the whole validation set; 40 decodes of 500 sentences at beam 4 take about 8 minutes on two cores).
 DEPTH_ADAPTIVE_SWEEP = (40, 500)
+#: The key of IOT's case verification (the paper's Sec. 5.2, Fig. 2) among a result's method figures.
+IOT_CASE_VERIFICATION = "case verification (Fig. 2)"
 RECIPE_FIELDS = {"name", "task", "model_type", "seed", "updates", "size", "overrides", "flags", "init_from", "claim",
                  "eval_every", "eval_samples", "test_beams", "lr_scheduler"}
 TASK_FIELDS = {"what", "data", "vocab_size", "max_source_length", "max_target_length", "batch_size", "learning_rate",
@@ -371,14 +373,22 @@ def last_fifth_gain(curve: list[dict]) -> float | None:
 
 
 def method_analysis(recipe: ZooRecipe, output_dir: Path, test_sources: list[str], smoke: bool) -> dict:
-    """The method's own figures: IOT order usage, MAT branches, InDIGO's left-to-right share, and for
-    Depth-Adaptive the paper's protocol (Sec. 3.2, 4.4): a threshold sweep on the validation split beside its fixed
-    exits, then the test split at every fixed exit and at the cheapest swept thresholds that reach the validation
-    BLEU of the full depth."""
-    from flexformers.training_scripts import depth_adaptive_tools
+    """The method's own figures: IOT order usage and the paper's case verification (Sec. 5.2, Fig. 2: the test split
+    by predicted decoder order, each subset decoded with every order), MAT branches, InDIGO's left-to-right share,
+    and for Depth-Adaptive the paper's protocol (Sec. 3.2, 4.4): a threshold sweep on the validation split beside
+    its fixed exits, then the test split at every fixed exit and at the cheapest swept thresholds that reach the
+    validation BLEU of the full depth."""
+    from flexformers.training_scripts import depth_adaptive_tools, iot_order_analysis
     from flexformers.training_scripts.quickstart import method_figures
 
     figures = method_figures(recipe.model_type, str(output_dir), test_sources, limit=8 if smoke else 500)
+    if recipe.model_type == "iot" and len(json.loads((output_dir / "config.json").read_text())["decoder_orders"]) > 1:
+        table = iot_order_analysis.run(iot_order_analysis.OrderAnalysisArguments(
+            model_name_or_path=str(output_dir), split="test", num_beams=1 if smoke else recipe.test_beams,
+            batch_size=64, **({"max_samples": 4, "max_new_tokens": 8} if smoke else {})))
+        # as stored (the order codes become string keys), so a fresh result and a read record render alike
+        figures[IOT_CASE_VERIFICATION] = json.loads(json.dumps(
+            {key: table[key] for key in ("metric", "orders", "subsets", "scores", "overall")}))
     if recipe.model_type == "depth_adaptive":
         common = ["--model_name_or_path", str(output_dir), "--num_beams", "1" if smoke else str(recipe.test_beams),
                   "--batch_size", "64"] + (["--max_samples", "4", "--max_new_tokens", "8"] if smoke else [])
@@ -693,7 +703,13 @@ def against_baseline(results: list[dict], spread: list[dict]) -> list[dict]:
 def _figure_text(result: dict) -> str:
     figures = dict(result["figures"])
     adaptive = figures.pop("depth_adaptive", None)
+    case_verification = figures.pop(IOT_CASE_VERIFICATION, None)
     parts = [f"{name}: {value}" for name, value in figures.items()]
+    if case_verification:
+        overall = case_verification["overall"]
+        best = max(case_verification["orders"], key=lambda code: overall[str(code)])
+        parts.append(f"each sentence with its predicted order {overall['predicted']:.2f}, the best single order "
+                     f"({best}) {overall[str(best)]:.2f}")
     unconstrained = result["test"].get("unconstrained")
     if unconstrained:
         parts.append(f"test BLEU decoded without the {result['test']['output_constraint']} constraint: "
@@ -703,6 +719,30 @@ def _figure_text(result: dict) -> str:
         parts.append(f"confidence exit{chosen}: BLEU {adaptive['confidence']['bleu']:.2f} at average exit "
                      f"{adaptive['confidence']['average_exit']:.2f}")
     return "; ".join(parts).replace("|", "/")
+
+
+def _iot_case_verification_lines(result: dict) -> list[str]:
+    """The paper's Fig. 2 as a table (Sec. 5.2): rows are the test sentences grouped by the decoder order the
+    predictor picks, columns the order each group is decoded with; the best of a row is in bold."""
+    table = result["figures"][IOT_CASE_VERIFICATION]
+    codes = [str(code) for code in table["orders"]]
+    overall = table["overall"]
+    lines = ["", f"### IOT: `{result['recipe']['name']}`, subsets by predicted order decoded with every order "
+                 "(the paper's Fig. 2)", "",
+             f"Test split, beam {result['test']['num_beams']}, {table['metric'].upper()}. Where the predictor "
+             "chooses well, each subset scores best with its own order (the diagonal).", "",
+             "| subset (predicted order) | sentences | " + " | ".join(f"order {code}" for code in codes) + " |",
+             "|---|---|" + "---|" * len(codes)]
+    for subset, row in table["scores"].items():
+        best = max(row.values())
+        cells = " | ".join(f"**{row[code]:.2f}**" if row[code] == best else f"{row[code]:.2f}" for code in codes)
+        lines.append(f"| set {subset} | {table['subsets'][subset]:,} | {cells} |")
+    sentences = sum(table["subsets"].values())
+    lines.append(f"| all | {sentences:,} | " + " | ".join(f"{overall[code]:.2f}" for code in codes) + " |")
+    best = max(codes, key=lambda code: overall[code])
+    lines += ["", f"Each sentence decoded with its own predicted order (IOT's inference): {overall['predicted']:.2f}; "
+                  f"every sentence with the best single order ({best}): {overall[best]:.2f}."]
+    return lines
 
 
 def _depth_adaptive_reference(result: dict, results: list[dict]) -> dict | None:
@@ -962,6 +1002,8 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
                          f"{in_sd} | {baseline['converged_seeds']} of {len(baseline['seeds'])} seeds |")
     for result in (r for r in results if "depth_adaptive" in r["figures"]):
         lines += _depth_adaptive_lines(result, _depth_adaptive_reference(result, results))
+    for result in (r for r in results if IOT_CASE_VERIFICATION in r["figures"]):
+        lines += _iot_case_verification_lines(result)
     lines += _trained_on_lines(results)
     lines += _indigo_lines(results, spread)
     if not results:
@@ -1040,6 +1082,16 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
         figure.savefig(path, dpi=100)
         plt.close(figure)
         plots.append(("IOT order usage", path))
+        if IOT_CASE_VERIFICATION in result["figures"]:
+            from flexformers.training_scripts.iot_order_analysis import plot_table
+
+            stored = result["figures"][IOT_CASE_VERIFICATION]
+            table = {**stored, "subsets": {int(code): size for code, size in stored["subsets"].items()},
+                     "scores": {int(subset): {int(code): score for code, score in row.items()}
+                                for subset, row in stored["scores"].items()}}
+            path = plots_dir / f"iot_case_verification_{result['recipe']['name']}.png"
+            plot_table(table, path)
+            plots.append(("IOT: subsets by predicted order, decoded with every order (Fig. 2)", path))
     for title, path in plots:
         lines += ["", f"### {title}", "", f"![{title}]({path.relative_to(docs_path.parent).as_posix()})"]
     docs_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
