@@ -471,6 +471,8 @@ def test_every_shipped_recipe_runs_in_smoke_mode(tmp_path):
     case_verification = iot[zoo.IOT_CASE_VERIFICATION]  # the paper's Fig. 2 on the test split
     assert case_verification["orders"] == [1, 2, 3] and sum(case_verification["subsets"].values()) == 4
     assert set(case_verification["overall"]) == {"1", "2", "3", "predicted"}
+    paper_orders = json.loads((runs / "iot-paper-orders-translation-s1" / zoo.RESULT_FILE).read_text())["figures"]
+    assert paper_orders[zoo.IOT_CASE_VERIFICATION]["orders"] == [1, 4, 6]  # the paper's N = 3 set
     docs = tmp_path / "ZOO.md"
     assert zoo.main([*argv, "render", "--docs", str(docs)]) == 0
     assert all(f"| {recipe.name} |" in docs.read_text() for recipe in recipes)
