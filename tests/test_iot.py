@@ -536,3 +536,30 @@ def test_order_analysis_table_and_plot(tmp_path):
     forced = _ForcedDecoderOrder(model, 6)
     forced.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=2)
     assert model.last_order_codes["decoder"].tolist() == [6] * input_ids.shape[0]
+
+
+def test_order_table_reuses_the_models_own_decoding(monkeypatch):
+    """The case verification decodes the split once per order and once with each sentence's predicted order; given
+    that last decoding (the evaluation's), it scores those hypotheses instead of decoding the split again."""
+    from flexformers.training_scripts import iot_order_analysis
+
+    model = tiny_iot(decoder_orders=[1, 4, 6])
+    sources = ["a b", "c d", "e f", "g h"]
+    references = ["the cat sat on the mat", "a dog ran in the park", "we read two long books", "it rained all day long"]
+    decoded_orders = []
+
+    def fake_generate_texts(forced, source_tokenizer, target_tokenizer, texts, **generation):
+        decoded_orders.append(forced.code)
+        return [references[i] if forced.code in (None, 4) else "q" for i in range(len(texts))], {}
+
+    monkeypatch.setattr(iot_order_analysis, "generate_texts", fake_generate_texts)
+    monkeypatch.setattr(iot_order_analysis, "predicted_decoder_orders", lambda *args: [1, 4, 4, 6])
+    decoded = iot_order_analysis.order_table(model, None, None, sources, references)
+    assert decoded_orders == [1, 4, 6, None] and decoded["overall"]["predicted"] == 100.0
+    decoded_orders.clear()
+    reused = iot_order_analysis.order_table(model, None, None, sources, references,
+                                            predicted_hypotheses=["q"] * len(sources))
+    assert decoded_orders == [1, 4, 6]  # no fourth decode
+    assert reused["overall"]["predicted"] == 0.0 and reused["scores"] == decoded["scores"]
+    with pytest.raises(ValueError, match="3 lines for 4 sources"):
+        iot_order_analysis.order_table(model, None, None, sources, references, predicted_hypotheses=["q"] * 3)

@@ -631,3 +631,12 @@ def test_a_method_trained_on_from_a_baseline_is_read_against_the_baseline_traine
     assert f"| half | mat-init | 1 | 1,000 | 3 ({recipes[0].lr_scheduler}, {rate:g}) |" in text
     assert f"| mat-slow | mat | 1 | 1,000 | 3 ({recipes[0].lr_scheduler}, 0.0003) |" in text
     assert not (tmp_path / "zoo" / "curves_word_order.png").exists()  # no run has a curve: no empty plot
+
+
+def test_the_case_verification_reuses_the_evaluations_hypotheses_only_for_the_same_sentences(tmp_path):
+    rows = [{"source": s, "reference": "r", "hypothesis": h} for s, h in (("a b", "x"), ("c d", "y"))]
+    (tmp_path / "generations.test.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert zoo.evaluated_hypotheses(tmp_path, ["a b", "c d"]) == ["x", "y"]
+    assert zoo.evaluated_hypotheses(tmp_path, ["a b", "c d", "e f"]) == ["x", "y"]  # the smoke mode's first ones
+    assert zoo.evaluated_hypotheses(tmp_path, ["c d", "a b"]) is None
+    assert zoo.evaluated_hypotheses(tmp_path / "missing", ["a b"]) is None

@@ -79,19 +79,28 @@ def predicted_decoder_orders(model, source_tokenizer, sources: list[str], batch_
 
 def order_table(
     model, source_tokenizer, target_tokenizer, sources, references, *, is_code=False, metric="bleu", num_beams=5,
-    length_penalty=1.0, max_new_tokens=128, batch_size=32,
+    length_penalty=1.0, max_new_tokens=128, batch_size=32, predicted_hypotheses: list[str] | None = None,
 ) -> dict:
     """``{"orders", "predicted", "subsets": {code: size}, "scores": {subset: {order: score}}, "overall": {...}}``.
 
     Subset ``c`` holds the sentences whose predicted decoder order is ``c``; ``scores[c][o]`` is the corpus score of
     that subset decoded with order ``o``; ``overall[o]`` the whole split with ``o``; ``overall["predicted"]`` the
-    whole split with each sentence's own predicted order (IOT's inference)."""
+    whole split with each sentence's own predicted order (IOT's inference).
+
+    ``predicted_hypotheses``: the model's own decoding of ``sources`` (each with its predicted order), made with the
+    same generation settings, e.g. by the evaluation just before; it stands for that decode instead of repeating it.
+    """
     codes = list(model.config.decoder_orders)
     predicted = predicted_decoder_orders(model, source_tokenizer, sources, batch_size)
     generation = dict(num_beams=num_beams, length_penalty=length_penalty, max_new_tokens=max_new_tokens,
                       batch_size=batch_size)
     hypotheses = {}
-    for code in codes + [None]:
+    if predicted_hypotheses is not None:
+        if len(predicted_hypotheses) != len(sources):
+            raise ValueError(f"predicted_hypotheses has {len(predicted_hypotheses)} lines for {len(sources)} sources; "
+                             "it must be the decoding of exactly these sources")
+        hypotheses[None] = list(predicted_hypotheses)
+    for code in codes + ([None] if predicted_hypotheses is None else []):
         logger.info("decoding %d sentences with decoder order %s", len(sources), code or "predicted")
         hypotheses[code], _ = generate_texts(
             _ForcedDecoderOrder(model, code), source_tokenizer, target_tokenizer, sources, **generation
@@ -165,7 +174,9 @@ def plot_table(table: dict, path: str | Path) -> None:
     plt.close(figure)
 
 
-def run(args: OrderAnalysisArguments) -> dict:
+def run(args: OrderAnalysisArguments, predicted_hypotheses: list[str] | None = None) -> dict:
+    """The table for ``args``; ``predicted_hypotheses`` as in :func:`order_table` (the caller vouches that they were
+    decoded from this split with ``args``' generation settings)."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     device = resolve_device(args.device)
     model, source_tokenizer, target_tokenizer = load_model(args.model_name_or_path, device)
@@ -183,6 +194,7 @@ def run(args: OrderAnalysisArguments) -> dict:
         model, source_tokenizer, target_tokenizer, list(split["source"]), list(split["target"]),
         is_code=data_args.is_code, metric=args.metric, num_beams=args.num_beams, length_penalty=args.length_penalty,
         max_new_tokens=args.max_new_tokens or data_args.max_target_length, batch_size=args.batch_size,
+        predicted_hypotheses=predicted_hypotheses,
     )
     print(format_table(table))
     model_dir = Path(args.model_name_or_path)

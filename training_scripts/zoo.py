@@ -372,12 +372,14 @@ def last_fifth_gain(curve: list[dict]) -> float | None:
     return round(slope * (last_update - fifth_start), 2)
 
 
-def method_analysis(recipe: ZooRecipe, output_dir: Path, test_sources: list[str], smoke: bool) -> dict:
+def method_analysis(recipe: ZooRecipe, output_dir: Path, test_sources: list[str], smoke: bool,
+                    test_hypotheses: list[str] | None = None) -> dict:
     """The method's own figures: IOT order usage and the paper's case verification (Sec. 5.2, Fig. 2: the test split
     by predicted decoder order, each subset decoded with every order), MAT branches, InDIGO's left-to-right share,
     and for Depth-Adaptive the paper's protocol (Sec. 3.2, 4.4): a threshold sweep on the validation split beside
     its fixed exits, then the test split at every fixed exit and at the cheapest swept thresholds that reach the
-    validation BLEU of the full depth."""
+    validation BLEU of the full depth. ``test_hypotheses``: the evaluation's decoding of the test split (same beams
+    and lengths), which the case verification uses as IOT's own choice instead of decoding the split again."""
     from flexformers.training_scripts import depth_adaptive_tools, iot_order_analysis
     from flexformers.training_scripts.quickstart import method_figures
 
@@ -385,7 +387,8 @@ def method_analysis(recipe: ZooRecipe, output_dir: Path, test_sources: list[str]
     if recipe.model_type == "iot" and len(json.loads((output_dir / "config.json").read_text())["decoder_orders"]) > 1:
         table = iot_order_analysis.run(iot_order_analysis.OrderAnalysisArguments(
             model_name_or_path=str(output_dir), split="test", num_beams=1 if smoke else recipe.test_beams,
-            batch_size=64, **({"max_samples": 4, "max_new_tokens": 8} if smoke else {})))
+            batch_size=64, **({"max_samples": 4, "max_new_tokens": 8} if smoke else {})),
+            predicted_hypotheses=test_hypotheses)
         # as stored (the order codes become string keys), so a fresh result and a read record render alike
         figures[IOT_CASE_VERIFICATION] = json.loads(json.dumps(
             {key: table[key] for key in ("metric", "orders", "subsets", "scores", "overall")}))
@@ -495,6 +498,18 @@ def run_recipe(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, export: b
     return result
 
 
+def evaluated_hypotheses(output_dir: Path, test_sources: list[str]) -> list[str] | None:
+    """The test evaluation's hypotheses (flexformers-decode's ``generations.test.jsonl``), or None when that file
+    does not hold the decoding of the first sources of ``test_sources`` in their order."""
+    path = output_dir / "generations.test.jsonl"
+    if not path.is_file():
+        return None
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not rows or [row["source"] for row in rows] != test_sources[: len(rows)]:
+        return None
+    return [row["hypothesis"] for row in rows]
+
+
 def evaluate_trained(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, export: bool = True) -> dict:
     """The result of a recipe trained in ``runs_dir``: the test split decoded beside copying the input, the method's
     figures, its learning curve and training record, and (with ``export``) its Hub folder."""
@@ -522,7 +537,7 @@ def evaluate_trained(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, exp
 
     data_args = DataArguments.load(output_dir)
     test_sources = list(load_corpus(data_args)["test"]["source"])
-    figures = method_analysis(recipe, output_dir, test_sources, smoke)
+    figures = method_analysis(recipe, output_dir, test_sources, smoke, evaluated_hypotheses(output_dir, test_sources))
     curve = validation_curve(output_dir)
     learning_curve(output_dir, f"{recipe.name}")
     state = json.loads((output_dir / "trainer_state.json").read_text())
@@ -1051,7 +1066,9 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
     if indigo:
         figure, axis = plt.subplots(figsize=(6.5, 4))
         names = [r["recipe"]["name"].removeprefix("indigo-") for r in indigo]
-        axis.bar(names, [r["test"]["metrics"]["bleu"] for r in indigo], color="tab:blue")
+        scores = [r["test"]["metrics"]["bleu"] for r in indigo]
+        axis.bar_label(axis.bar(names, scores, color="tab:blue"), fmt="%.2f", fontsize=7, label_type="center",
+                       color="white")
         axis.axhline(indigo[0]["test"]["copy_baseline"]["bleu"], color="black", linestyle="--",
                      label="copying the input")
         baseline = baseline_spread(spread, indigo[0]["recipe"]["task"])
@@ -1061,7 +1078,9 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
         axis.set_ylabel("test BLEU")
         axis.set_title("InDIGO: generation orders (SAO vs L2R and the predefined orders)", fontsize=9)
         axis.tick_params(axis="x", labelrotation=30, labelsize=7)
-        axis.legend(fontsize=7)
+        # headroom above the tallest bar or line, so the legend covers no bar
+        axis.set_ylim(0, 1.3 * max(scores + [line.get_ydata()[0] for line in axis.get_lines()]))
+        axis.legend(fontsize=7, loc="upper right")
         figure.tight_layout()
         path = plots_dir / "indigo_orders.png"
         figure.savefig(path, dpi=100)
