@@ -25,6 +25,17 @@ tasks:
 """
 
 
+TRANSLATION_TASK = """  translation:
+    data: [--task, translation, --target_lang, de]
+    vocab_size: 1000
+    max_source_length: 48
+    max_target_length: 64
+    batch_size: 4
+    learning_rate: 3.0e-3
+    warmup_steps: 1
+"""
+
+
 def write_recipes(tmp_path: Path, recipes: str, header: str = RECIPE_HEADER) -> Path:
     path = tmp_path / "recipes.yaml"
     path.write_text(header + "recipes:\n" + recipes)
@@ -240,6 +251,57 @@ def test_a_deadline_stops_training_cleanly_and_the_next_run_resumes(tmp_path, mo
     segments = json.loads((base / zoo.PROGRESS_FILE).read_text())["segments"]
     assert [(s["from_update"], s["to_update"]) for s in segments] == [(0, 1), (1, zoo.SMOKE_UPDATES)]
     assert json.loads((base / zoo.RESULT_FILE).read_text())["updates"] == zoo.SMOKE_UPDATES
+
+
+def test_a_training_segment_is_rewritten_in_place_and_the_next_session_adds_its_own(tmp_path):
+    first = zoo.TrainingSegment(tmp_path, from_update=0)
+    first.update(1000)
+    first.update(2000)  # the next checkpoint of the same session
+    second = zoo.TrainingSegment(tmp_path, from_update=2000)  # a later session, resuming
+    second.update(3000)
+    segments = json.loads((tmp_path / zoo.PROGRESS_FILE).read_text())["segments"]
+    assert [(s["from_update"], s["to_update"]) for s in segments] == [(0, 2000), (2000, 3000)]
+    assert not list(tmp_path.glob("*.partial"))
+
+
+class SessionEnded(Exception):
+    pass
+
+
+@pytest.mark.slow
+def test_a_run_cut_off_between_checkpoints_keeps_the_time_its_checkpoints_hold(tmp_path, monkeypatch):
+    """A session that ends mid-run (the process dies after a checkpoint, with no chance to record anything) leaves
+    its segment in the progress file up to that checkpoint: the finished run's record counts that session's wall
+    time, and the next segment starts where the checkpoints end."""
+    from transformers import TrainerCallback
+
+    from flexformers.training_scripts import train
+
+    path = write_recipes(tmp_path, "  - {name: base, task: word_order, model_type: flexformer, claim: baseline}\n")
+    (recipe,) = zoo.load_recipes(path)
+    runs = tmp_path / "runs"
+
+    class SessionEndsAfterTheSecondCheckpoint(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                raise SessionEnded
+
+    real_run = train.run
+
+    def run_until_the_session_ends(*arguments, extra_callbacks=None):
+        return real_run(*arguments, extra_callbacks=[*extra_callbacks, SessionEndsAfterTheSecondCheckpoint()])
+
+    with monkeypatch.context() as patch:
+        patch.setattr(train, "run", run_until_the_session_ends)
+        with pytest.raises(SessionEnded):
+            zoo.run_recipe(recipe, runs, smoke=True, export=False)
+    (segment,) = json.loads((runs / "base" / zoo.PROGRESS_FILE).read_text())["segments"]
+    assert (segment["from_update"], segment["to_update"]) == (0, 2) and segment["seconds"] > 0
+
+    result = zoo.run_recipe(recipe, runs, smoke=True, export=False)
+    assert [(s["from_update"], s["to_update"]) for s in result["segments"]] == [(0, 2), (2, zoo.SMOKE_UPDATES)]
+    assert result["training_seconds"] == pytest.approx(sum(s["seconds"] for s in result["segments"]), abs=0.1)
+    assert result["sessions"] == 2
 
 
 @pytest.mark.slow
@@ -578,12 +640,15 @@ def test_indigo_orders_are_rendered_against_l2r_and_the_baseline(tmp_path):
         "  - {name: sao, task: word_order, model_type: indigo, flags: [--order, sao], init_from: l2r, claim: indigo}\n"
         "  - {name: l2r-on, task: word_order, model_type: indigo, flags: [--order, l2r], init_from: l2r, "
         "claim: indigo}\n"
-        "  - {name: r2l, task: word_order, model_type: indigo, flags: [--order, r2l], claim: indigo}\n"))
+        "  - {name: r2l, task: word_order, model_type: indigo, flags: [--order, r2l], claim: indigo}\n"
+        "  - {name: l2r-translation, task: translation, model_type: indigo, flags: [--order, l2r], claim: indigo}\n"),
+        header=RECIPE_HEADER + TRANSLATION_TASK)
     recipes = zoo.load_recipes(path)
     records = tmp_path / "records"
     records.mkdir()
     share = "insertions right of the previous word (left-to-right share)"
-    for recipe, bleu, unconstrained in zip(recipes, (68.0, 70.0, 50.0, 52.5, 51.0, 49.0), (60.0, 64.0) + (None,) * 4):
+    for recipe, bleu, unconstrained in zip(recipes, (68.0, 70.0, 50.0, 52.5, 51.0, 49.0, 30.0),
+                                           (60.0, 64.0) + (None,) * 5):
         result = _rendered_result(recipe, bleu, {} if unconstrained else {share: 0.9}, 1_000_000)
         if unconstrained is not None:
             result["test"]["output_constraint"] = "permutation of the source words"
@@ -602,7 +667,12 @@ def test_indigo_orders_are_rendered_against_l2r_and_the_baseline(tmp_path):
             "62.00 ± 2.83 without the constraint.") in text
     assert "| sao | indigo | 52.50 | 62.00 ± 2.83 (2 unconstrained) | -9.50 | -3.4 |" in text
     assert "test BLEU decoded without the permutation of the source words constraint: 60.00" in text
-    assert (tmp_path / "zoo" / "indigo_orders.png").stat().st_size > 0
+    # each task its own table and plot: a translation score is not drawn beside word order's copy line
+    assert "### InDIGO on translation: generation orders against L2R" in text
+    assert "| l2r | l2r-translation | 3 | 30.00 | 50.00 | 40.00 | — | — | 0.9 |" in text
+    for task in ("word_order", "translation"):
+        assert (tmp_path / "zoo" / f"indigo_orders_{task}.png").stat().st_size > 0
+        assert f"(zoo/indigo_orders_{task}.png)" in text
 
 
 def test_a_method_trained_on_from_a_baseline_is_read_against_the_baseline_trained_on_alike(tmp_path):

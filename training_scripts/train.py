@@ -347,6 +347,19 @@ def make_compute_metrics(target_tokenizer, is_code: bool, source_tokenizer=None)
     return compute_metrics
 
 
+class CheckpointReportCallback(TrainerCallback):
+    """Calls ``report(updates)`` on the main process after each checkpoint is saved, so that a caller's own
+    bookkeeping (the zoo's progress file) holds what the checkpoints hold even when the process dies between two of
+    them (a session ends mid-run)."""
+
+    def __init__(self, report):
+        self.report = report
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.report(state.global_step)
+
+
 class MaxTimeCallback(TrainerCallback):
     """Stop (and save) once ``max_minutes`` of training wall time have passed — or at ``deadline`` (a
     ``time.monotonic()`` value), for a caller whose budget also counts what ran before training; all ranks stop at

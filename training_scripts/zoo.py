@@ -10,10 +10,11 @@
 
 A recipe is trained by ``flexformers-train`` for its budget in updates, saving a checkpoint at every curve point so
 that a run cut off (a session ends, the machine restarts) goes on from there: ``run --all`` skips finished recipes
-and resumes the others. A finished recipe is decoded on the whole test split (BLEU / chrF / TER with the sacrebleu
-signature, beside copying the input), analysed by its method (IOT order usage, Depth-Adaptive exits and a threshold
-sweep, InDIGO's insertion order) and exported as a Hub folder whose card carries the same numbers; its
-``zoo_result.json`` is what ``render`` reads.
+and resumes the others. Each session's wall time and updates are written to the run's ``zoo_progress.json`` at every
+checkpoint, so a run cut off still counts the time its checkpoints hold. A finished recipe is decoded on the whole
+test split (BLEU / chrF / TER with the sacrebleu signature, beside copying the input), analysed by its method (IOT
+order usage, Depth-Adaptive exits and a threshold sweep, InDIGO's insertion order) and exported as a Hub folder whose
+card carries the same numbers; its ``zoo_result.json`` is what ``render`` reads.
 
 A session's machine keeps only what is committed, so a finished recipe's result is also written to the records
 folder (``docs/zoo/results/<recipe>.json``, committed with ``docs/ZOO.md``): ``run`` counts a recorded recipe as
@@ -314,14 +315,30 @@ def planned_updates(output_dir: Path) -> int | None:
     return None if state is None else state.get("max_steps")
 
 
-def _record_segment(output_dir: Path, seconds: float, from_step: int, to_step: int) -> dict:
-    path = output_dir / PROGRESS_FILE
-    progress = json.loads(path.read_text()) if path.is_file() else {"segments": []}
-    progress["segments"].append({"ended": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                                 "seconds": round(seconds, 1), "from_update": from_step, "to_update": to_step,
-                                 "machine": machine_description()})
-    path.write_text(json.dumps(progress, indent=2) + "\n")
-    return progress
+class TrainingSegment:
+    """One session's stretch of training of the run in ``output_dir``, kept in its progress file (wall time, updates
+    from and to, machine). ``update`` rewrites this segment in place, so calling it at every checkpoint leaves the
+    file right for a session that ends mid-run: the next session's segment starts where the checkpoints end."""
+
+    def __init__(self, output_dir: Path, from_update: int):
+        self.path = output_dir / PROGRESS_FILE
+        self.from_update = from_update
+        self.started = time.monotonic()
+        self.index: int | None = None
+
+    def update(self, to_update: int) -> None:
+        progress = json.loads(self.path.read_text()) if self.path.is_file() else {"segments": []}
+        segment = {"ended": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                   "seconds": round(time.monotonic() - self.started, 1), "from_update": self.from_update,
+                   "to_update": to_update, "machine": machine_description()}
+        if self.index is None:
+            progress["segments"].append(segment)
+            self.index = len(progress["segments"]) - 1
+        else:
+            progress["segments"][self.index] = segment
+        partial = self.path.with_name(self.path.name + ".partial")
+        partial.write_text(json.dumps(progress, indent=2) + "\n")
+        partial.replace(self.path)  # a kill while writing leaves the previous file whole
 
 
 def machines_trained_on(segments: list[dict]) -> str:
@@ -482,11 +499,13 @@ def run_recipe(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, export: b
                              f"and this machine has none: run it where one is (benchmarks/zoo_gpu.sh)")
         if deadline is not None and time.monotonic() >= deadline:
             return None
-        started = time.monotonic()
-        callbacks = [] if deadline is None else [train.MaxTimeCallback(deadline=deadline)]
+        segment = TrainingSegment(output_dir, done)
+        callbacks = [train.CheckpointReportCallback(segment.update)]
+        if deadline is not None:
+            callbacks.append(train.MaxTimeCallback(deadline=deadline))
         train.run(*train.parse_arguments(training_argv(recipe, output_dir, runs_dir, smoke)),
                   extra_callbacks=callbacks)
-        _record_segment(output_dir, time.monotonic() - started, done, trained_updates(output_dir))
+        segment.update(trained_updates(output_dir))
         if trained_updates(output_dir) < target:
             return None
     if deadline is not None and time.monotonic() >= deadline:
@@ -1062,30 +1081,33 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
         path = plots_dir / f"depth_adaptive_{result['recipe']['name']}.png"
         _plot_depth_adaptive(result, _depth_adaptive_reference(result, results), path)
         plots.append(("Depth-Adaptive: BLEU vs average exit", path))
-    indigo = [r for r in results if r["recipe"]["model_type"] == "indigo"]
-    if indigo:
+    for task in sorted({r["recipe"]["task"] for r in results if r["recipe"]["model_type"] == "indigo"}):
+        indigo = [r for r in results if r["recipe"]["model_type"] == "indigo" and r["recipe"]["task"] == task]
         figure, axis = plt.subplots(figsize=(6.5, 4))
-        names = [r["recipe"]["name"].removeprefix("indigo-") for r in indigo]
+        names = [r["recipe"]["name"].removeprefix("indigo-").removesuffix(f"-{task.replace('_', '-')}")
+                 for r in indigo]
         scores = [r["test"]["metrics"]["bleu"] for r in indigo]
         axis.bar_label(axis.bar(names, scores, color="tab:blue"), fmt="%.2f", fontsize=7, label_type="center",
                        color="white")
         axis.axhline(indigo[0]["test"]["copy_baseline"]["bleu"], color="black", linestyle="--",
                      label="copying the input")
-        baseline = baseline_spread(spread, indigo[0]["recipe"]["task"])
-        if baseline is not None and "unconstrained_bleu" in baseline:
-            axis.axhline(baseline["unconstrained_bleu"]["mean"], color="tab:green", linestyle=":",
-                         label=f"left-to-right baseline, unconstrained ({len(baseline['seeds'])} seeds)")
+        baseline = baseline_spread(spread, task)
+        if baseline is not None:
+            constrained = "unconstrained_bleu" in baseline
+            axis.axhline(baseline["unconstrained_bleu" if constrained else "bleu"]["mean"], color="tab:green",
+                         linestyle=":", label=f"left-to-right baseline{', unconstrained' if constrained else ''} "
+                                              f"({len(baseline['seeds'])} seeds)")
         axis.set_ylabel("test BLEU")
-        axis.set_title("InDIGO: generation orders (SAO vs L2R and the predefined orders)", fontsize=9)
+        axis.set_title(f"InDIGO on {task}: generation orders (SAO vs L2R and the predefined orders)", fontsize=9)
         axis.tick_params(axis="x", labelrotation=30, labelsize=7)
         # headroom above the tallest bar or line, so the legend covers no bar
         axis.set_ylim(0, 1.3 * max(scores + [line.get_ydata()[0] for line in axis.get_lines()]))
         axis.legend(fontsize=7, loc="upper right")
         figure.tight_layout()
-        path = plots_dir / "indigo_orders.png"
+        path = plots_dir / f"indigo_orders_{task}.png"
         figure.savefig(path, dpi=100)
         plt.close(figure)
-        plots.append(("InDIGO: SAO vs L2R", path))
+        plots.append((f"InDIGO on {task}: SAO vs L2R", path))
     iot = [r for r in results if r["recipe"]["model_type"] == "iot"]
     for result in iot:
         usage = next((value for name, value in result["figures"].items() if "order usage" in name), None)
