@@ -1093,9 +1093,9 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
                      label="copying the input")
         baseline = baseline_spread(spread, task)
         if baseline is not None:
-            constrained = "unconstrained_bleu" in baseline
-            axis.axhline(baseline["unconstrained_bleu" if constrained else "bleu"]["mean"], color="tab:green",
-                         linestyle=":", label=f"left-to-right baseline{', unconstrained' if constrained else ''} "
+            has_unconstrained = "unconstrained_bleu" in baseline
+            axis.axhline(baseline["unconstrained_bleu" if has_unconstrained else "bleu"]["mean"], color="tab:green",
+                         linestyle=":", label=f"left-to-right baseline{', unconstrained' if has_unconstrained else ''} "
                                               f"({len(baseline['seeds'])} seeds)")
         axis.set_ylabel("test BLEU")
         axis.set_title(f"InDIGO on {task}: generation orders (SAO vs L2R and the predefined orders)", fontsize=9)
