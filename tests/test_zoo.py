@@ -8,6 +8,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from flexformers.training_scripts import zoo
 
@@ -187,6 +189,20 @@ def test_training_argv_resumes_and_initialises(tmp_path):
     assert sao_argv[sao_argv.index("--model_name_or_path") + 1] == str(runs / "base")
     assert "--preset" not in sao_argv and sao_argv[-2:] == ["--order", "sao"]
 
+    # resumed, a run that started from another recipe is built from its own newest checkpoint, not from that recipe
+    for name in ("mat", "sao"):
+        checkpoint = runs / name / "checkpoint-2"
+        checkpoint.mkdir(parents=True)
+        (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 2, "max_steps": 3}))
+        save_file({"weight": torch.zeros(1)}, str(checkpoint / "model.safetensors"))
+    for recipe in (mat, sao):
+        resumed = zoo.training_argv(recipe, runs / recipe.name, runs)
+        assert resumed[resumed.index("--model_name_or_path") + 1] == str(runs / recipe.name / "checkpoint-2")
+        assert resumed[resumed.index("--resume_from_checkpoint") + 1] == "latest"
+        assert not {"--preset", "--baseline_checkpoint", "--tokenizer_name_or_path"} & set(resumed)
+    mat_argv = zoo.training_argv(mat, runs / "mat", runs)
+    assert mat_argv[mat_argv.index("--config_overrides") + 1] == "drop_branch_rate=0.3"  # the recipe's own only
+
 
 @pytest.mark.slow
 def test_smoke_runs_resume_and_render(tmp_path):
@@ -225,6 +241,18 @@ def test_smoke_runs_resume_and_render(tmp_path):
     text = docs.read_text()
     assert "| base | baseline |" in text and "| mat | mat |" in text
     assert (tmp_path / "docs" / "zoo" / "curves_word_order.png").is_file()
+
+    # a run that started from another recipe resumes without that recipe's run folder (a GPU head start resumed on
+    # another machine, where only the starting recipe's record is): its own checkpoint holds the start trained on
+    mat = runs / "mat"
+    for name in (zoo.RESULT_FILE, "model.safetensors", "trainer_state.json"):
+        (mat / name).unlink()
+    shutil.rmtree(mat / f"checkpoint-{zoo.SMOKE_UPDATES}")
+    shutil.rmtree(base)
+    assert zoo.main([*argv, "run", "mat", "--smoke", "--no_export"]) == 0
+    progress = json.loads((mat / zoo.PROGRESS_FILE).read_text())["segments"]
+    assert [(s["from_update"], s["to_update"]) for s in progress] == [(0, 3), (2, 3)]
+    assert json.loads((mat / "config.json").read_text())["model_type"] == "mat"
 
 
 @pytest.mark.slow

@@ -220,7 +220,6 @@ def budget(recipe: ZooRecipe, smoke: bool = False) -> int:
 
 def training_argv(recipe: ZooRecipe, output_dir: Path, runs_dir: Path, smoke: bool = False) -> list[str]:
     """The ``flexformers-train`` command line of a recipe (resuming when ``output_dir`` holds a checkpoint)."""
-    from flexformers.training_scripts.checkpoints import find_latest_complete_checkpoint
     from flexformers.training_scripts.quickstart import FAST_RECIPE, MODEL_SIZES
 
     task = recipe.task_settings
@@ -255,18 +254,23 @@ def training_argv(recipe: ZooRecipe, output_dir: Path, runs_dir: Path, smoke: bo
     elif recipe.trains_on_gpu:
         argv += ["--tf32", "true"]
     initial = runs_dir / recipe.init_from if recipe.init_from else None
-    if initial is not None and recipe.model_type == "mat":
+    resumed = resume_checkpoint(output_dir)
+    if initial is not None and resumed is not None:
+        # its own checkpoint is that start trained on (architecture, tokenizer, weights), so a run resumed on another
+        # machine (a GPU head start) does not need the starting recipe's run folder there
+        argv += ["--model_name_or_path", resumed]
+    elif initial is not None and recipe.model_type == "mat":
         argv += ["--baseline_checkpoint", str(initial), "--tokenizer_name_or_path", str(initial)]
     elif initial is not None:
         argv += ["--model_name_or_path", str(initial)]
     size = MODEL_SIZES[recipe.size]
     overrides = ",".join(filter(None, [size.overrides, FAST_RECIPE, recipe.overrides]))
-    if initial is None or recipe.model_type == "mat":
+    if initial is None or (recipe.model_type == "mat" and resumed is None):
         argv += ["--preset", size.preset, "--config_overrides", overrides,
                  "--vocab_size", str(1000 if smoke else task["vocab_size"])]
     elif recipe.overrides:
         argv += ["--config_overrides", recipe.overrides]
-    if output_dir.is_dir() and find_latest_complete_checkpoint(str(output_dir))[0] is not None:
+    if resumed is not None:
         argv += ["--resume_from_checkpoint", "latest"]
     return [*argv, *recipe.flags]
 
@@ -301,6 +305,13 @@ def _newest_trainer_state(output_dir: Path) -> dict | None:
     states = [json.loads(path.read_text()) for path in (output_dir / "trainer_state.json", newest_checkpoint)
               if path is not None and path.is_file()]
     return max(states, key=lambda state: state.get("global_step", 0), default=None)
+
+
+def resume_checkpoint(output_dir: Path) -> str | None:
+    """The newest complete checkpoint of the run in ``output_dir``, which its next ``run`` resumes; None if none."""
+    from flexformers.training_scripts.checkpoints import find_latest_complete_checkpoint
+
+    return find_latest_complete_checkpoint(str(output_dir))[0] if output_dir.is_dir() else None
 
 
 def trained_updates(output_dir: Path) -> int:
@@ -486,7 +497,8 @@ def run_recipe(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, export: b
     if planned is not None and done < target:
         _check_budget_change(recipe, planned, target, output_dir)
     if not (output_dir / "model.safetensors").is_file() or done < target:
-        if recipe.init_from and not (runs_dir / recipe.init_from / RESULT_FILE).is_file():
+        if (recipe.init_from and resume_checkpoint(output_dir) is None
+                and not (runs_dir / recipe.init_from / RESULT_FILE).is_file()):
             recorded = record_path(records_dir, recipe.init_from)
             if recorded is not None and recorded.is_file():
                 raise ValueError(f"recipe {recipe.name!r} starts from the trained model of {recipe.init_from!r}, which "
