@@ -85,6 +85,28 @@ def test_the_training_module_runs_from_the_checkout_root_without_an_editable_ins
     assert "--model_type" in result.stdout and "--config_overrides" in result.stdout
 
 
+def _console_scripts() -> list[str]:
+    """The console scripts that setup.cfg declares, so that a script added there is covered here too."""
+    import configparser
+
+    setup = configparser.ConfigParser()
+    setup.read(REPO / "setup.cfg")
+    lines = setup["options.entry_points"]["console_scripts"].strip().splitlines()
+    return [line.split("=", 1)[0].strip() for line in lines if line.strip()]
+
+
+@pytest.mark.parametrize("script", _console_scripts())
+def test_every_installed_console_script_prints_its_help_from_an_empty_directory(script, tmp_path):
+    """`flexformers-train --help` is the first command a new user types: each installed script must print its usage
+    and exit 0 from any directory, with no Hub access."""
+    executable = Path(sys.executable).parent / script
+    assert executable.is_file(), f"{script} is not installed beside {sys.executable}: run `pip install -e .`"
+    result = subprocess.run([str(executable), "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith(f"usage: {script}"), result.stdout[:300]
+
+
 def test_every_model_type_is_importable_from_the_package_top():
     import flexformers
 
