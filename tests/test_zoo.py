@@ -639,6 +639,22 @@ def test_depth_adaptive_is_rendered_against_its_full_depth_reference(tmp_path):
     assert (tmp_path / "zoo" / "depth_adaptive_da.png").stat().st_size > 0
 
 
+def test_depth_adaptive_seed_is_read_against_the_reference_of_its_own_seed():
+    """With a second seed of both the Depth-Adaptive recipe and its full-depth reference, each seed's exits are read
+    against the reference trained with the same seed; a seed whose own reference is missing takes another's."""
+    def result(name: str, model_type: str, seed: int, bleu: float) -> dict:
+        return {"recipe": {"name": name, "task": "translation", "claim": "depth-adaptive", "model_type": model_type,
+                           "seed": seed}, "test": {"metrics": {"bleu": bleu}}}
+
+    first, second = result("da-s1", "depth_adaptive", 1, 30.0), result("da-s2", "depth_adaptive", 2, 31.0)
+    references = [result("four-blocks", "flexformer", 1, 34.0), result("four-blocks-s2", "flexformer", 2, 35.0)]
+    results = [first, second, *references]
+    assert zoo._depth_adaptive_reference(first, results) is references[0]
+    assert zoo._depth_adaptive_reference(second, results) is references[1]
+    assert zoo._depth_adaptive_reference(second, [first, second, references[0]]) is references[0]
+    assert zoo._depth_adaptive_reference(second, [first, second]) is None
+
+
 def test_insertion_decoding_is_read_against_the_baseline_decoded_without_its_constraint():
     """On word order the baseline's own score is decoded under the permutation constraint; InDIGO's is not (nor is
     it in its paper), so InDIGO is compared with the baseline's unconstrained decoding of the same test split."""

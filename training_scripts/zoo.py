@@ -793,11 +793,14 @@ def _iot_case_verification_lines(result: dict) -> list[str]:
 
 def _depth_adaptive_reference(result: dict, results: list[dict]) -> dict | None:
     """The full-depth model without exits that a Depth-Adaptive recipe is read against: a finished recipe of the
-    same task and claim that is not itself Depth-Adaptive (the same blocks, one output classifier)."""
+    same task and claim that is not itself Depth-Adaptive (the same blocks, one output classifier), of the same seed
+    when that one is finished, since the seeds draw different initializations and batches."""
     recipe = result["recipe"]
-    return next((other for other in results if other["recipe"]["task"] == recipe["task"]
-                 and other["recipe"]["claim"] == recipe["claim"]
-                 and other["recipe"]["model_type"] != "depth_adaptive"), None)
+    candidates = [other for other in results if other["recipe"]["task"] == recipe["task"]
+                  and other["recipe"]["claim"] == recipe["claim"]
+                  and other["recipe"]["model_type"] != "depth_adaptive"]
+    same_seed = [other for other in candidates if other["recipe"].get("seed") == recipe.get("seed")]
+    return (same_seed or candidates or [None])[0]
 
 
 def _depth_adaptive_lines(result: dict, reference: dict | None) -> list[str]:
