@@ -653,6 +653,35 @@ def test_depth_adaptive_seed_is_read_against_the_reference_of_its_own_seed():
     assert zoo._depth_adaptive_reference(second, results) is references[1]
     assert zoo._depth_adaptive_reference(second, [first, second, references[0]]) is references[0]
     assert zoo._depth_adaptive_reference(second, [first, second]) is None
+    # only the same blocks trained from scratch: not another size or width, nor a model trained on from another's
+    wider = result("d256", "flexformer", 2, 46.0)
+    wider["recipe"]["overrides"] = "encoder_embed_dim=256"
+    continued = result("continued-s2", "flexformer", 2, 39.0)
+    continued["recipe"]["init_from"] = "half-s2"
+    iwslt = result("gpu-s2", "flexformer", 2, 14.0)
+    iwslt["recipe"]["size"] = "iwslt"
+    assert zoo._depth_adaptive_reference(second, [first, second, wider, continued, iwslt, references[0]]) \
+        is references[0]
+
+
+def test_indigo_seed_is_read_against_the_l2r_run_of_its_own_seed():
+    """A second seed of SAO is read against the L2R control trained on from the L2R model of its own seed, and a
+    second seed of L2R from scratch against no other seed of itself; an order without a same-seed L2R takes another's."""
+    def result(name: str, order: str, seed: int, init_from: str | None = None, updates: int = 25000) -> dict:
+        return {"recipe": {"name": name, "task": "word_order", "model_type": "indigo", "seed": seed,
+                           "flags": ["--order", order], "init_from": init_from}, "updates": updates}
+
+    l2r, l2r_2 = result("l2r", "l2r", 1), result("l2r-s2", "l2r", 2)
+    control, control_2 = result("on", "l2r", 1, "l2r", 5000), result("on-s2", "l2r", 2, "l2r-s2", 5000)
+    sao, sao_2 = result("sao", "sao", 1, "l2r", 5000), result("sao-s2", "sao", 2, "l2r-s2", 5000)
+    r2l_2 = result("r2l-s2", "r2l", 2)
+    indigo = [l2r, control, sao, l2r_2, sao_2, control_2, r2l_2]
+    assert zoo._l2r_reference(sao, indigo) is control
+    assert zoo._l2r_reference(sao_2, indigo) is control_2
+    assert zoo._l2r_reference(control_2, indigo) is l2r_2
+    assert zoo._l2r_reference(r2l_2, indigo) is l2r_2
+    assert zoo._l2r_reference(l2r_2, indigo) is None and zoo._l2r_reference(l2r, indigo) is None
+    assert zoo._l2r_reference(r2l_2, [l2r, r2l_2]) is l2r
 
 
 def test_insertion_decoding_is_read_against_the_baseline_decoded_without_its_constraint():

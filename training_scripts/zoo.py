@@ -792,13 +792,14 @@ def _iot_case_verification_lines(result: dict) -> list[str]:
 
 
 def _depth_adaptive_reference(result: dict, results: list[dict]) -> dict | None:
-    """The full-depth model without exits that a Depth-Adaptive recipe is read against: a finished recipe of the
-    same task and claim that is not itself Depth-Adaptive (the same blocks, one output classifier), of the same seed
-    when that one is finished, since the seeds draw different initializations and batches."""
+    """The full-depth model without exits that a Depth-Adaptive recipe is read against: a finished baseline recipe
+    of the same task, size and overrides trained from scratch (the same blocks, one output classifier), of the same
+    seed when that one is finished, since the seeds draw different initializations and batches."""
     recipe = result["recipe"]
     candidates = [other for other in results if other["recipe"]["task"] == recipe["task"]
-                  and other["recipe"]["claim"] == recipe["claim"]
-                  and other["recipe"]["model_type"] != "depth_adaptive"]
+                  and other["recipe"]["model_type"] == "flexformer" and not other["recipe"].get("init_from")
+                  and other["recipe"].get("size") == recipe.get("size")
+                  and (other["recipe"].get("overrides") or "") == (recipe.get("overrides") or "")]
     same_seed = [other for other in candidates if other["recipe"].get("seed") == recipe.get("seed")]
     return (same_seed or candidates or [None])[0]
 
@@ -878,12 +879,18 @@ def _indigo_lines(results: list[dict], spread: list[dict]) -> list[str]:
 
 def _l2r_reference(result: dict, indigo: list[dict]) -> dict | None:
     """The InDIGO L2R run that ``result`` is read against: trained from the same start (another recipe's model,
-    or scratch) for the same updates when there is one, else from scratch (None for that run itself)."""
-    l2r = [r for r in indigo if _training_order(r) == "l2r" and r is not result]
+    or scratch) for the same updates when there is one, else from scratch; of the same seed when that one is
+    finished, since seeds draw different initializations and batches (None for that run itself and its seeds)."""
+    group = seed_group(result["recipe"]["name"])
+    l2r = [r for r in indigo if _training_order(r) == "l2r" and seed_group(r["recipe"]["name"]) != group]
     start = result["recipe"].get("init_from")
     same_start = [r for r in l2r if r["recipe"].get("init_from") == start and r["updates"] == result["updates"]]
     from_scratch = [r for r in l2r if not r["recipe"].get("init_from")]
-    return (same_start or from_scratch or [None])[0]
+
+    def same_seed_first(runs: list[dict]) -> list[dict]:
+        return [r for r in runs if r["recipe"].get("seed") == result["recipe"].get("seed")] or runs
+
+    return (same_seed_first(same_start) or same_seed_first(from_scratch) or [None])[0]
 
 
 def _flag_value(recipe: dict, flag: str) -> str | None:
@@ -1095,7 +1102,7 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
     for result in (r for r in results if "depth_adaptive" in r["figures"]):
         path = plots_dir / f"depth_adaptive_{result['recipe']['name']}.png"
         _plot_depth_adaptive(result, _depth_adaptive_reference(result, results), path)
-        plots.append(("Depth-Adaptive: BLEU vs average exit", path))
+        plots.append((f"Depth-Adaptive: BLEU vs average exit, {result['recipe']['name']}", path))
     for task in sorted({r["recipe"]["task"] for r in results if r["recipe"]["model_type"] == "indigo"}):
         indigo = [r for r in results if r["recipe"]["model_type"] == "indigo" and r["recipe"]["task"] == task]
         figure, axis = plt.subplots(figsize=(6.5, 4))
