@@ -791,6 +791,12 @@ def _iot_case_verification_lines(result: dict) -> list[str]:
     return lines
 
 
+def _same_seed_first(runs: list[dict], result: dict) -> list[dict]:
+    """Those of ``runs`` trained with ``result``'s seed, else all of them: a run is read against a reference of its
+    own seed while that one is finished, since the seeds draw different initializations and batches."""
+    return [run for run in runs if run["recipe"].get("seed") == result["recipe"].get("seed")] or runs
+
+
 def _depth_adaptive_reference(result: dict, results: list[dict]) -> dict | None:
     """The full-depth model without exits that a Depth-Adaptive recipe is read against: a finished baseline recipe
     of the same task, size and overrides trained from scratch (the same blocks, one output classifier), of the same
@@ -800,8 +806,7 @@ def _depth_adaptive_reference(result: dict, results: list[dict]) -> dict | None:
                   and other["recipe"]["model_type"] == "flexformer" and not other["recipe"].get("init_from")
                   and other["recipe"].get("size") == recipe.get("size")
                   and (other["recipe"].get("overrides") or "") == (recipe.get("overrides") or "")]
-    same_seed = [other for other in candidates if other["recipe"].get("seed") == recipe.get("seed")]
-    return (same_seed or candidates or [None])[0]
+    return (_same_seed_first(candidates, result) or [None])[0]
 
 
 def _depth_adaptive_lines(result: dict, reference: dict | None) -> list[str]:
@@ -886,11 +891,7 @@ def _l2r_reference(result: dict, indigo: list[dict]) -> dict | None:
     start = result["recipe"].get("init_from")
     same_start = [r for r in l2r if r["recipe"].get("init_from") == start and r["updates"] == result["updates"]]
     from_scratch = [r for r in l2r if not r["recipe"].get("init_from")]
-
-    def same_seed_first(runs: list[dict]) -> list[dict]:
-        return [r for r in runs if r["recipe"].get("seed") == result["recipe"].get("seed")] or runs
-
-    return (same_seed_first(same_start) or same_seed_first(from_scratch) or [None])[0]
+    return (_same_seed_first(same_start, result) or _same_seed_first(from_scratch, result) or [None])[0]
 
 
 def _flag_value(recipe: dict, flag: str) -> str | None:
