@@ -748,6 +748,17 @@ def test_indigo_orders_are_rendered_against_l2r_and_the_baseline(tmp_path):
         assert f"(zoo/indigo_orders_{task}.png)" in text
 
 
+def test_indigo_order_plot_draws_one_bar_per_order_with_its_seeds_together():
+    def result(name: str, bleu: float) -> dict:
+        return {"recipe": {"name": name}, "test": {"metrics": {"bleu": bleu}}}
+
+    indigo = [result("indigo-l2r-word-order", 54.32), result("indigo-sao-word-order", 51.83),
+              result("indigo-l2r-continued-word-order", 54.62), result("indigo-l2r-word-order-s2", 54.68),
+              result("indigo-sao-word-order-s2", 51.64), result("indigo-l2r-continued-word-order-s2", 54.54)]
+    assert zoo.indigo_order_bars(indigo, "word_order") == {
+        "l2r": [54.32, 54.68], "sao": [51.83, 51.64], "l2r-continued": [54.62, 54.54]}
+
+
 def test_a_method_trained_on_from_a_baseline_is_read_against_the_baseline_trained_on_alike(tmp_path):
     """MAT's second phase re-warms the learning rate and adds updates: ZOO.md reads it against the baseline trained on
     from the same model for the same updates at the same peak rate (not a different rate), and says when that

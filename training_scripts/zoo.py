@@ -682,6 +682,17 @@ def seed_group(name: str) -> str:
     return re.sub(r"-s\d+$", "", name)
 
 
+def indigo_order_bars(indigo: list[dict], task: str) -> dict[str, list[float]]:
+    """The test BLEU of each InDIGO configuration on ``task``, its seeds together, keyed by the configuration's short
+    name (``indigo-sao-word-order-s2`` -> ``sao``) in the order the recipes first appear: one bar per order, not
+    one per seed."""
+    bars: dict[str, list[float]] = {}
+    for result in indigo:
+        name = seed_group(result["recipe"]["name"]).removeprefix("indigo-").removesuffix(f"-{task.replace('_', '-')}")
+        bars.setdefault(name, []).append(result["test"]["metrics"]["bleu"])
+    return bars
+
+
 def converged(result: dict) -> bool:
     """Whether a run meets the zoo's bar for a baseline that methods are compared with: its validation curve has
     flattened (last-fifth gain < :data:`FLAT_CURVE_GAIN`) and its test BLEU is :data:`LEARNED_OVER_COPY` or more
@@ -1107,11 +1118,17 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
     for task in sorted({r["recipe"]["task"] for r in results if r["recipe"]["model_type"] == "indigo"}):
         indigo = [r for r in results if r["recipe"]["model_type"] == "indigo" and r["recipe"]["task"] == task]
         figure, axis = plt.subplots(figsize=(6.5, 4))
-        names = [r["recipe"]["name"].removeprefix("indigo-").removesuffix(f"-{task.replace('_', '-')}")
-                 for r in indigo]
-        scores = [r["test"]["metrics"]["bleu"] for r in indigo]
-        axis.bar_label(axis.bar(names, scores, color="tab:blue"), fmt="%.2f", fontsize=7, label_type="center",
-                       color="white")
+        bars = indigo_order_bars(indigo, task)
+        means = [statistics.mean(seeds) for seeds in bars.values()]
+        axis.bar_label(axis.bar(list(bars), means, color="tab:blue"), fontsize=7, label_type="center", color="white",
+                       labels=[f"{mean:.2f}" + (f"\n{len(seeds)} seeds" if len(seeds) > 1 else "")
+                               for mean, seeds in zip(means, bars.values())])
+        seeded = [(position, seeds) for position, seeds in enumerate(bars.values()) if len(seeds) > 1]
+        if seeded:
+            axis.scatter([position for position, seeds in seeded for _ in seeds],
+                         [score for _, seeds in seeded for score in seeds], color="black", s=8, zorder=3,
+                         label="each seed (bar: their mean)")
+        scores = [score for seeds in bars.values() for score in seeds]
         axis.axhline(indigo[0]["test"]["copy_baseline"]["bleu"], color="black", linestyle="--",
                      label="copying the input")
         baseline = baseline_spread(spread, task)
