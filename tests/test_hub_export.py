@@ -548,6 +548,46 @@ def test_generation_overrides_reach_generation_config(tmp_path, baseline_checkpo
     assert (generation["num_beams"], generation["max_new_tokens"]) == (4, 7)
 
 
+def test_generation_defaults_filled_in_by_evaluation_are_not_exported(tmp_path, baseline_checkpoint):
+    """Seq2SeqTrainer's evaluation writes every Transformers default into the model's generation config
+    (``max_length: 20`` among them); the exported folder must not carry them, so that ``generate(max_new_tokens=...)``
+    does not warn that ``max_length`` is set too, and it must decode exactly as the checkpoint does."""
+    import logging
+
+    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+    from flexformers.modeling.modeling_flexformer import FlexformerForConditionalGeneration
+
+    model = FlexformerForConditionalGeneration.from_pretrained(str(baseline_checkpoint))
+    args = Seq2SeqTrainingArguments(output_dir=str(tmp_path / "run"), predict_with_generate=True, report_to=[])
+    trainer = Seq2SeqTrainer(model=model, args=args)
+    inputs = {"input_ids": torch.tensor([[5, 6, 7, 2]]), "labels": torch.tensor([[8, 9, 2]])}
+    trainer.prediction_step(model, inputs, prediction_loss_only=False, max_new_tokens=4)
+    model.save_pretrained(str(baseline_checkpoint))
+    evaluated = json.loads((baseline_checkpoint / "generation_config.json").read_text())
+    assert evaluated["max_length"] == 20 and evaluated["top_k"] == 50  # what the export has to clean up
+
+    out = export_checkpoint(baseline_checkpoint, tmp_path / "hub")
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert not {"max_length", "top_k", "min_length", "temperature", "do_sample"} & generation.keys()
+    assert (generation["num_beams"], generation["length_penalty"], generation["max_new_tokens"]) == (3, 1.2, 12)
+
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    transformers_logger = logging.getLogger("transformers")
+    transformers_logger.addHandler(handler)
+    try:
+        exported = FlexformerForConditionalGeneration.from_pretrained(str(out))
+        source = torch.tensor([[5, 6, 7, 8, 2]])
+        from_export = exported.generate(source, max_new_tokens=6)
+    finally:
+        transformers_logger.removeHandler(handler)
+    assert not [message for message in warnings if "max_length" in message], warnings
+    from_checkpoint = model.generate(source, max_new_tokens=6, num_beams=3, length_penalty=1.2, early_stopping=True)
+    assert torch.equal(from_export, from_checkpoint)
+
+
 def test_invalid_generation_overrides_fail_before_writing(tmp_path, baseline_checkpoint):
     with pytest.raises(ExportError, match="invalid generation settings"):
         export_checkpoint(

@@ -185,12 +185,26 @@ def method_decoding_settings(model) -> dict[str, Any]:
     return settings
 
 
+def unset_global_generation_defaults(generation_config) -> None:
+    """Unset (``None``) every field of ``generation_config`` that holds Transformers' global default.
+
+    Seq2SeqTrainer's evaluation fills all of them into the model's generation config, so a checkpoint saved after an
+    evaluation carries ``max_length: 20`` beside the recipe's ``max_new_tokens``, and ``generate(max_new_tokens=...)``
+    on the exported folder then warns that both are set. ``generate()`` puts the same defaults back into unset fields,
+    so decoding is unchanged."""
+    for name, default in generation_config._get_default_generation_params().items():
+        if name in generation_config.__dict__ and getattr(generation_config, name) == default:
+            setattr(generation_config, name, None)
+
+
 def build_generation_config(model, eval_results: dict[str, Any] | None, overrides: dict[str, Any]):
-    """The model's generation config (the checkpoint's ``generation_config.json``, with the method's decoding
-    fields), overlaid with the beam size / length penalty of the reported evaluation, then ``overrides``."""
+    """The model's generation config (the checkpoint's ``generation_config.json`` less the fields that only repeat
+    Transformers' defaults, with the method's decoding fields), overlaid with the beam size / length penalty of the
+    reported evaluation, then ``overrides``."""
     import copy
 
     generation_config = copy.deepcopy(model.generation_config)
+    unset_global_generation_defaults(generation_config)
     updates: dict[str, Any] = dict(method_decoding_settings(model))
     if eval_results is not None:
         if eval_results.get("num_beams") is not None:
