@@ -572,9 +572,9 @@ def test_generation_defaults_filled_in_by_evaluation_are_not_exported(tmp_path, 
     assert not {"max_length", "top_k", "min_length", "temperature", "do_sample"} & generation.keys()
     assert (generation["num_beams"], generation["length_penalty"], generation["max_new_tokens"]) == (3, 1.2, 12)
 
-    warnings: list[str] = []
+    logged: list[str] = []
     handler = logging.Handler()
-    handler.emit = lambda record: warnings.append(record.getMessage())
+    handler.emit = lambda record: logged.append(record.getMessage())
     transformers_logger = logging.getLogger("transformers")
     transformers_logger.addHandler(handler)
     try:
@@ -583,7 +583,7 @@ def test_generation_defaults_filled_in_by_evaluation_are_not_exported(tmp_path, 
         from_export = exported.generate(source, max_new_tokens=6)
     finally:
         transformers_logger.removeHandler(handler)
-    assert not [message for message in warnings if "max_length" in message], warnings
+    assert not [message for message in logged if "max_length" in message], logged
     from_checkpoint = model.generate(source, max_new_tokens=6, num_beams=3, length_penalty=1.2, early_stopping=True)
     assert torch.equal(from_export, from_checkpoint)
 
