@@ -238,6 +238,22 @@ def test_do_eval_keeps_the_decode_report(tmp_path):
     assert "eval_loss" in json.loads((out / "validation_results.json").read_text())
 
 
+def test_saved_generation_configs_leave_out_the_defaults_evaluation_fills_in(tmp_path):
+    """Seq2SeqTrainer's evaluation writes every Transformers generation default (``max_length: 20``, ...) into the
+    model's generation config; the checkpoint saved right after an evaluation and the final model leave them out, so
+    ``generate(max_new_tokens=...)`` on either does not warn that ``max_length`` is set too."""
+    out = tmp_path / "run"
+    train.run_from_argv(tiny_argv(out, "--max_steps", "2", "--eval_strategy", "steps", "--eval_steps", "2",
+                                  "--save_strategy", "steps", "--save_steps", "2", "--max_eval_samples", "2",
+                                  "--generation_max_length", "4", "--load_best_model_at_end", "false"))
+    history = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
+    assert any("eval_bleu" in entry for entry in history)  # the checkpoint was saved after a generating evaluation
+    for folder in (out / "checkpoint-2", out):
+        saved = json.loads((folder / "generation_config.json").read_text())
+        assert not {"max_length", "top_k", "min_length", "temperature", "num_beams"} & saved.keys(), folder
+        assert (saved["decoder_start_token_id"], saved["eos_token_id"]) == (2, 2)
+
+
 def test_resume_continues_exactly(tmp_path):
     common = ("--max_steps", "9", "--save_strategy", "steps", "--save_steps", "4", "--logging_steps", "1")
     train.run_from_argv(tiny_argv(tmp_path / "straight", *common))

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from flexformers.training_scripts.generation_defaults import unset_global_generation_defaults
 from flexformers.training_scripts.hub_checkpoint import (
     EVAL_RESULTS_FILE,
     RemoteClasses,
@@ -183,18 +184,6 @@ def method_decoding_settings(model) -> dict[str, Any]:
             continue
         settings[name] = list(value) if isinstance(value, tuple) else value
     return settings
-
-
-def unset_global_generation_defaults(generation_config) -> None:
-    """Unset (``None``) every field of ``generation_config`` that holds Transformers' global default.
-
-    Seq2SeqTrainer's evaluation fills all of them into the model's generation config, so a checkpoint saved after an
-    evaluation carries ``max_length: 20`` beside the recipe's ``max_new_tokens``, and ``generate(max_new_tokens=...)``
-    on the exported folder then warns that both are set. ``generate()`` puts the same defaults back into unset fields,
-    so decoding is unchanged."""
-    for name, default in generation_config._get_default_generation_params().items():
-        if name in generation_config.__dict__ and getattr(generation_config, name) == default:
-            setattr(generation_config, name, None)
 
 
 def build_generation_config(model, eval_results: dict[str, Any] | None, overrides: dict[str, Any]):

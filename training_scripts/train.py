@@ -37,6 +37,7 @@ from flexformers.training_scripts.arguments import (
 from flexformers.training_scripts.checkpoints import resolve_resume_checkpoint, with_atomic_checkpoints
 from flexformers.training_scripts.cpu_heap import retain_freed_memory
 from flexformers.training_scripts.data import load_corpus
+from flexformers.training_scripts.generation_defaults import with_generation_defaults_free_saves
 from flexformers.training_scripts.metrics_utils import compute_generation_metrics, copy_baseline_metrics, gain_over_copy
 from flexformers.training_scripts.model_registry import MethodSpec, get_method_spec
 from flexformers.training_scripts.nonfinite import FiniteLossMixin, NonFiniteTrainingError
@@ -447,8 +448,9 @@ def find_resume_checkpoint(training_args) -> str | None:
 
 def training_trainer_class(trainer_class: type) -> type:
     """The method's trainer class as the script runs it: checkpoints written atomically and training stopped at
-    the first non-finite loss or gradient norm (both mixins leave a class that already has them unchanged)."""
-    trainer_class = with_atomic_checkpoints(trainer_class)
+    the first non-finite loss or gradient norm, with generation configs saved free of the defaults evaluation fills in
+    (each mixin leaves a class that already has it unchanged)."""
+    trainer_class = with_generation_defaults_free_saves(with_atomic_checkpoints(trainer_class))
     if issubclass(trainer_class, FiniteLossMixin):
         return trainer_class
     return type(trainer_class.__name__, (FiniteLossMixin, trainer_class), {"__module__": trainer_class.__module__})
