@@ -215,6 +215,14 @@ def test_a_few_steps_lower_the_loss_and_produce_a_loadable_model(tmp_path):
                                   "--num_beams", "1", "--max_new_tokens", "5"])
     assert len(quick["hypotheses"]) == 2
 
+    # the split's pairs longer than training's caps (which training drops) are counted, and can be left out
+    common = ["--model_name_or_path", str(out), "--split", "validation", "--num_beams", "1", "--max_new_tokens", "4",
+              "--num_samples_to_print", "0", "--write_eval_results", "false", "--output_file", str(tmp_path / "g.txt")]
+    whole = decode.run_from_argv(common)
+    within = decode.run_from_argv([*common, "--within_training_lengths", "true"])
+    assert whole["beyond_training_lengths"] > 0 and within["beyond_training_lengths"] == 0
+    assert within["num_examples"] == whole["num_examples"] - whole["beyond_training_lengths"]
+
 
 class StopAt(TrainerCallback):
     def __init__(self, step):

@@ -552,6 +552,8 @@ def test_every_shipped_recipe_runs_in_smoke_mode(tmp_path):
         result = json.loads((runs / recipe.name / zoo.RESULT_FILE).read_text())
         assert result["updates"] == zoo.SMOKE_UPDATES and result["recipe"]["model_type"] == recipe.model_type
         assert (runs / "hub" / recipe.name / "README.md").is_file()
+    code = json.loads((runs / "baseline-codegen-s1" / zoo.RESULT_FILE).read_text())["test"]
+    assert set(code["metrics"]) == set(code["copy_baseline"]) == {"bleu", "chrf", "ter", "pov"}
     adaptive = json.loads((runs / "depth-adaptive-translation-s1" / zoo.RESULT_FILE).read_text())["figures"]
     assert set(adaptive["depth_adaptive"]["fixed_exits"]) == {"1", "2", "3", "4"}
     assert set(adaptive["depth_adaptive"]["validation_fixed_exits"]) == {"1", "2", "3", "4"}
@@ -599,6 +601,22 @@ def test_iot_case_verification_is_rendered_as_the_papers_figure_2(tmp_path):
             "best single order (1): 50.90.") in text
     assert "each sentence with its predicted order 50.80, the best single order (1) 50.90" in text
     assert (tmp_path / "zoo" / "iot_case_verification_iot.png").stat().st_size > 0
+
+
+def test_code_rows_show_the_share_of_outputs_that_parse_beside_copying_the_docstring(tmp_path):
+    """A code recipe's row carries PoV, the model's and copying the docstring's, which BLEU alone does not show."""
+    path = write_recipes(tmp_path, "  - {name: code, task: word_order, model_type: flexformer, claim: baseline}\n")
+    (recipe,) = zoo.load_recipes(path)
+    result = _rendered_result(recipe, 20.0, {}, 2_000_000)
+    result["test"]["metrics"]["pov"] = 91.23
+    result["test"]["copy_baseline"]["pov"] = 0.84
+    records = tmp_path / "records"
+    records.mkdir()
+    (records / "code.json").write_text(json.dumps(result))
+    docs = tmp_path / "ZOO.md"
+    zoo.render([recipe], tmp_path / "runs", docs, records)
+    row = next(line for line in docs.read_text().splitlines() if line.startswith("| code |"))
+    assert row.endswith("| outputs that parse as Python (PoV): 91.23% (copying the docstring: 0.84%) |")
 
 
 def test_depth_adaptive_is_rendered_against_its_full_depth_reference(tmp_path):

@@ -146,6 +146,15 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", bf16: 
 
 
 @torch.inference_mode()
+def fits_training_lengths(split, source_tokenizer, target_tokenizer, data_args: DataArguments) -> list[bool]:
+    """For each pair of ``split``: whether it is within ``--max_source_length`` / ``--max_target_length`` tokens, the
+    pairs training keeps (:func:`training_scripts.train.tokenize_corpus` drops the others)."""
+    sources = source_tokenizer(list(split["source"]))["input_ids"]
+    targets = target_tokenizer(list(split["target"]))["input_ids"]
+    return [len(source) <= data_args.max_source_length and len(target) <= data_args.max_target_length
+            for source, target in zip(sources, targets)]
+
+
 def generate_texts(
     model, source_tokenizer, target_tokenizer, sources: list[str], num_beams: int = 5, length_penalty: float = 1.0,
     max_new_tokens: int = 256, batch_size: int = 32, progress: bool = True, permutation_of_source: bool = False,
@@ -282,11 +291,7 @@ def run(decode_args: DecodeArguments, data_args: DataArguments) -> dict:
     corpus = load_corpus(data_args)
     split = corpus[decode_args.split]
     if decode_args.within_training_lengths:
-        fits = [
-            len(source_tokenizer(row["source"])["input_ids"]) <= data_args.max_source_length
-            and len(target_tokenizer(row["target"])["input_ids"]) <= data_args.max_target_length
-            for row in split
-        ]
+        fits = fits_training_lengths(split, source_tokenizer, target_tokenizer, data_args)
         split = split.select([index for index, keep in enumerate(fits) if keep])
     if decode_args.max_samples is not None:
         split = split.select(range(min(decode_args.max_samples, len(split))))
@@ -311,6 +316,9 @@ def run(decode_args: DecodeArguments, data_args: DataArguments) -> dict:
         "split": decode_args.split,
         "num_examples": len(sources),
         "within_training_lengths": decode_args.within_training_lengths,
+        # pairs the model never trained on (training drops them): a score on the whole split counts them too
+        "beyond_training_lengths": 0 if decode_args.within_training_lengths else fits_training_lengths(
+            split, source_tokenizer, target_tokenizer, data_args).count(False),
         "metrics": {name: round(scores[name], 2) for name in metric_names},
         # the same examples and metrics for outputting the input unchanged: what a model gets without learning
         "copy_baseline": {name: round(copy_scores[name], 2) for name in metric_names},
