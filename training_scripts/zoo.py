@@ -1040,7 +1040,8 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
         "curve included, is recorded in `docs/zoo/results/<recipe>.json`). Scores are on the whole test split,",
         "beside copying the input on the same examples. A curve has flattened when its last fifth of updates gains",
         f"< {FLAT_CURVE_GAIN} validation BLEU: the rise of a least-squares line through its points in that fifth",
-        "(every point weighs in, so no single greedy evaluation decides).",
+        "(every point weighs in, so no single greedy evaluation decides). Its points are greedy BLEU on a fixed",
+        "validation subset of the pairs within the training lengths (training drops longer ones; so does the curve).",
         "",
         ("| recipe | claim | seed | params | updates (learning rate) | wall time | machine | test BLEU | chrF | TER |"
          " copy BLEU / chrF | BLEU over copy | last-fifth gain | method figures |"),
