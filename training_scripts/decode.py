@@ -145,7 +145,6 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", bf16: 
     return model, source_tokenizer, target_tokenizer
 
 
-@torch.inference_mode()
 def fits_training_lengths(split, source_tokenizer, target_tokenizer, data_args: DataArguments) -> list[bool]:
     """For each pair of ``split``: whether it is within ``--max_source_length`` / ``--max_target_length`` tokens, the
     pairs training keeps (:func:`training_scripts.train.tokenize_corpus` drops the others)."""
@@ -155,6 +154,7 @@ def fits_training_lengths(split, source_tokenizer, target_tokenizer, data_args: 
             for source, target in zip(sources, targets)]
 
 
+@torch.inference_mode()
 def generate_texts(
     model, source_tokenizer, target_tokenizer, sources: list[str], num_beams: int = 5, length_penalty: float = 1.0,
     max_new_tokens: int = 256, batch_size: int = 32, progress: bool = True, permutation_of_source: bool = False,
