@@ -219,9 +219,16 @@ def test_a_few_steps_lower_the_loss_and_produce_a_loadable_model(tmp_path):
     common = ["--model_name_or_path", str(out), "--split", "validation", "--num_beams", "1", "--max_new_tokens", "4",
               "--num_samples_to_print", "0", "--write_eval_results", "false", "--output_file", str(tmp_path / "g.txt")]
     whole = decode.run_from_argv(common)
+    # the within-lengths pairs scored from the whole split's generations, as the zoo does, equal decoding them anew
+    rescored = decode.score_within_training_lengths(tmp_path / "g.jsonl", out)
     within = decode.run_from_argv([*common, "--within_training_lengths", "true"])
     assert whole["beyond_training_lengths"] > 0 and within["beyond_training_lengths"] == 0
     assert within["num_examples"] == whole["num_examples"] - whole["beyond_training_lengths"]
+    for key in ("num_examples", "metrics", "copy_baseline", "gain_over_copy", "sacrebleu_signature"):
+        assert rescored[key] == within[key], key
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match="holds no generations"):
+        decode.score_within_training_lengths(tmp_path / "empty.jsonl", out)
 
 
 class StopAt(TrainerCallback):

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from transformers import HfArgumentParser
 
-from flexformers.training_scripts.arguments import DataArguments, describe_dataset
+from flexformers.training_scripts.arguments import DATA_ARGS_FILE, DataArguments, describe_dataset
 from flexformers.training_scripts.checkpoints import weights_problem
 from flexformers.training_scripts.data import SPLITS, escape_line, load_corpus
 from flexformers.training_scripts.metrics_utils import compute_generation_metrics, copy_baseline_metrics, gain_over_copy
@@ -152,6 +152,40 @@ def fits_training_lengths(split, source_tokenizer, target_tokenizer, data_args: 
     targets = target_tokenizer(list(split["target"]))["input_ids"]
     return [len(source) <= data_args.max_source_length and len(target) <= data_args.max_target_length
             for source, target in zip(sources, targets)]
+
+
+def score_hypotheses(sources: list[str], references: list[str], hypotheses: list[str], is_code: bool) -> dict:
+    """BLEU / chrF / TER (and PoV for code) of ``hypotheses``, beside copying each source unchanged on the same
+    pairs (what a model scores without learning anything), and the gain over that copy."""
+    metric_names = ["bleu", "chrf", "ter"] + (["pov"] if is_code else [])
+    scores = compute_generation_metrics(hypotheses, references, is_code=is_code)
+    copy_scores = copy_baseline_metrics(sources, references, is_code=is_code)
+    metrics = {name: round(scores[name], 2) for name in metric_names}
+    copy = {name: round(copy_scores[name], 2) for name in metric_names}
+    return {"num_examples": len(sources), "metrics": metrics, "copy_baseline": copy,
+            "gain_over_copy": gain_over_copy(metrics, copy),
+            **{key: scores[key] for key in ("sacrebleu_signature", "chrf_signature", "ter_signature")}}
+
+
+def score_within_training_lengths(generations_file: str | Path, model_dir: str | Path) -> dict:
+    """A decoding's hypotheses (the ``.jsonl`` beside ``--output_file``) scored again on the pairs within the
+    training lengths of the model in ``model_dir``: what ``--within_training_lengths`` reports, without decoding
+    those pairs a second time."""
+    generations_file = Path(generations_file)
+    rows = [json.loads(line) for line in generations_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"{generations_file} holds no generations")
+    data_args = DataArguments.load(model_dir)
+    if data_args is None:
+        raise ValueError(f"{model_dir} has no {DATA_ARGS_FILE}; pass a directory written by flexformers-train")
+    source_tokenizer, target_tokenizer = load_tokenizers(Path(model_dir))
+    pairs = {"source": [row["source"] for row in rows], "target": [row["reference"] for row in rows]}
+    kept = [row for row, keep in zip(rows, fits_training_lengths(pairs, source_tokenizer, target_tokenizer, data_args))
+            if keep]
+    if not kept:
+        raise ValueError(f"none of the {len(rows)} pairs in {generations_file} is within the training lengths")
+    return score_hypotheses([row["source"] for row in kept], [row["reference"] for row in kept],
+                            [row["hypothesis"] for row in kept], is_code=data_args.is_code)
 
 
 @torch.inference_mode()
@@ -299,8 +333,7 @@ def run(decode_args: DecodeArguments, data_args: DataArguments) -> dict:
         raise ValueError(f"split {decode_args.split!r} of {describe_dataset(data_args)} is empty")
     sources, references = list(split["source"]), list(split["target"])
     hypotheses, stats = generate_texts(model, source_tokenizer, target_tokenizer, sources, **generation)
-    scores = compute_generation_metrics(hypotheses, references, is_code=data_args.is_code)
-    copy_scores = copy_baseline_metrics(sources, references, is_code=data_args.is_code)
+    scores = score_hypotheses(sources, references, hypotheses, is_code=data_args.is_code)
 
     model_dir = Path(decode_args.model_name_or_path)
     output_file = Path(decode_args.output_file or model_dir / f"generations.{decode_args.split}.txt")
@@ -309,19 +342,17 @@ def run(decode_args: DecodeArguments, data_args: DataArguments) -> dict:
         for source, reference, hypothesis in zip(sources, references, hypotheses):
             handle.write(json.dumps({"source": source, "reference": reference, "hypothesis": hypothesis}, ensure_ascii=False) + "\n")
 
-    metric_names = ["bleu", "chrf", "ter"] + (["pov"] if data_args.is_code else [])
     results = {
         "task": data_args.task,
         "dataset": describe_dataset(data_args),
         "split": decode_args.split,
-        "num_examples": len(sources),
+        "num_examples": scores["num_examples"],
         "within_training_lengths": decode_args.within_training_lengths,
         # pairs the model never trained on (training drops them): a score on the whole split counts them too
         "beyond_training_lengths": 0 if decode_args.within_training_lengths else fits_training_lengths(
             split, source_tokenizer, target_tokenizer, data_args).count(False),
-        "metrics": {name: round(scores[name], 2) for name in metric_names},
-        # the same examples and metrics for outputting the input unchanged: what a model gets without learning
-        "copy_baseline": {name: round(copy_scores[name], 2) for name in metric_names},
+        "metrics": scores["metrics"],
+        "copy_baseline": scores["copy_baseline"],
         "sacrebleu_signature": scores["sacrebleu_signature"],
         "chrf_signature": scores["chrf_signature"],
         "ter_signature": scores["ter_signature"],
@@ -332,7 +363,7 @@ def run(decode_args: DecodeArguments, data_args: DataArguments) -> dict:
         "throughput": dict(stats, device=str(device), dtype="bfloat16" if decode_args.bf16 else "float32",
                            batch_size=decode_args.batch_size),
     }
-    results["gain_over_copy"] = gain_over_copy(results["metrics"], results["copy_baseline"])
+    results["gain_over_copy"] = scores["gain_over_copy"]
     print_report(results, sources, references, hypotheses, decode_args.num_samples_to_print, output_file)
     if decode_args.write_eval_results:
         (model_dir / EVAL_RESULTS_FILE).write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n")
