@@ -554,6 +554,11 @@ def test_every_shipped_recipe_runs_in_smoke_mode(tmp_path):
         assert (runs / "hub" / recipe.name / "README.md").is_file()
     code = json.loads((runs / "baseline-codegen-s1" / zoo.RESULT_FILE).read_text())["test"]
     assert set(code["metrics"]) == set(code["copy_baseline"]) == {"bleu", "chrf", "ter", "pov"}
+    # the code split's pairs beyond the training lengths are scored apart, from the one decoding of the split
+    if zoo.BEYOND_TRAINING_LENGTHS_SHARE * code["num_examples"] < code["beyond_training_lengths"] < code["num_examples"]:
+        assert code["within_training_lengths"]["num_examples"] == code["num_examples"] - code["beyond_training_lengths"]
+    else:
+        assert "within_training_lengths" not in code
     adaptive = json.loads((runs / "depth-adaptive-translation-s1" / zoo.RESULT_FILE).read_text())["figures"]
     assert set(adaptive["depth_adaptive"]["fixed_exits"]) == {"1", "2", "3", "4"}
     assert set(adaptive["depth_adaptive"]["validation_fixed_exits"]) == {"1", "2", "3", "4"}

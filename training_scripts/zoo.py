@@ -566,7 +566,8 @@ def evaluate_trained(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, exp
             *test_decoding, "--num_samples_to_print", "0", "--permutation_of_source", "false",
             "--write_eval_results", "false", "--output_file", str(output_dir / "generations.test.unconstrained.txt")])
     within_lengths = None
-    if evaluation["beyond_training_lengths"] > BEYOND_TRAINING_LENGTHS_SHARE * evaluation["num_examples"]:
+    beyond = evaluation["beyond_training_lengths"]
+    if BEYOND_TRAINING_LENGTHS_SHARE * evaluation["num_examples"] < beyond < evaluation["num_examples"]:
         # training drops the pairs longer than its caps, so the model never learned to write those; where they are a
         # large share of the split (code: a third), the row also scores the pairs it could have learned
         within_lengths = decode.score_within_training_lengths(output_dir / "generations.test.jsonl", output_dir)
