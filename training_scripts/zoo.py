@@ -1139,12 +1139,13 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
         plots.append((f"Depth-Adaptive: BLEU vs average exit, {result['recipe']['name']}", path))
     for task in sorted({r["recipe"]["task"] for r in results if r["recipe"]["model_type"] == "indigo"}):
         indigo = [r for r in results if r["recipe"]["model_type"] == "indigo" and r["recipe"]["task"] == task]
-        figure, axis = plt.subplots(figsize=(6.5, 4))
+        figure, axis = plt.subplots(figsize=(8, 4))
         bars = indigo_order_bars(indigo, task)
         means = [statistics.mean(seeds) for seeds in bars.values()]
-        axis.bar_label(axis.bar(list(bars), means, color="tab:blue"), fontsize=7, label_type="center", color="white",
-                       labels=[f"{mean:.2f}" + (f"\n{len(seeds)} seeds" if len(seeds) > 1 else "")
-                               for mean, seeds in zip(means, bars.values())])
+        axis.bar(range(len(bars)), means, color="tab:blue")
+        # the score goes under its bar's name: above or inside the bar, the seeds' dots and the lines cover it
+        axis.set_xticks(range(len(bars)), [f"{order}\n{mean:.2f}" + (f"\n{len(seeds)} seeds" if len(seeds) > 1 else "")
+                                           for order, mean, seeds in zip(bars, means, bars.values())])
         seeded = [(position, seeds) for position, seeds in enumerate(bars.values()) if len(seeds) > 1]
         if seeded:
             axis.scatter([position for position, seeds in seeded for _ in seeds],
@@ -1161,7 +1162,7 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
                                               f"({len(baseline['seeds'])} seeds)")
         axis.set_ylabel("test BLEU")
         axis.set_title(f"InDIGO on {task}: generation orders (SAO vs L2R and the predefined orders)", fontsize=9)
-        axis.tick_params(axis="x", labelrotation=30, labelsize=7)
+        axis.tick_params(axis="x", labelsize=7)
         # headroom above the tallest bar or line, so the legend covers no bar
         axis.set_ylim(0, 1.3 * max(scores + [line.get_ydata()[0] for line in axis.get_lines()]))
         axis.legend(fontsize=7, loc="upper right")
