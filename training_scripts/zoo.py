@@ -97,11 +97,30 @@ class ZooRecipe:
         """Whether the recipe's task is trained on a CUDA GPU (``gpu: true``): a CPU does not run it, smoke aside."""
         return bool(self.task_settings.get("gpu"))
 
+    @property
+    def spacy_pipeline(self) -> str | None:
+        """The spaCy pipeline the recipe parses its targets with (InDIGO's SYN order), or None when it needs none."""
+        flags = {"flags": self.flags}
+        if self.model_type != "indigo" or _flag_value(flags, "--order") != "syn":
+            return None
+        return _flag_value(flags, "--spacy_model") or "en_core_web_sm"
+
 
 def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _spacy_pipeline_missing(name: str) -> str | None:
+    """Why the spaCy pipeline ``name`` cannot parse here (spaCy or the pipeline is not installed), or None."""
+    from flexformers.training_scripts.indigo_orders import load_spacy_pipeline
+
+    try:
+        load_spacy_pipeline(name)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def load_recipes(path: str | os.PathLike = DEFAULT_RECIPES) -> list[ZooRecipe]:
@@ -511,6 +530,8 @@ def run_recipe(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, export: b
         if recipe.trains_on_gpu and not smoke and not _cuda_available():
             raise ValueError(f"recipe {recipe.name!r} trains on a CUDA GPU (its task {recipe.task!r} sets gpu: true) "
                              f"and this machine has none: run it where one is (benchmarks/zoo_gpu.sh)")
+        if recipe.spacy_pipeline and (missing := _spacy_pipeline_missing(recipe.spacy_pipeline)):
+            raise ValueError(f"recipe {recipe.name!r} parses its targets with spaCy (InDIGO's SYN order): {missing}")
         if deadline is not None and time.monotonic() >= deadline:
             return None
         segment = TrainingSegment(output_dir, done)
@@ -1267,6 +1288,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"skipping the recipes trained on a CUDA GPU (this machine has none): {', '.join(gpu_only)}",
                       flush=True)
                 chosen = [recipe for recipe in chosen if recipe.name not in gpu_only]
+        if args.all:
+            # spaCy is an optional extra (`.[syn]`): without it the SYN recipes are left for a machine that has it
+            records = None if args.smoke else records_dir
+            to_parse = [recipe for recipe in chosen if recipe.spacy_pipeline
+                        and not recipe_status(recipe, runs_dir, records).startswith("finished")]
+            for pipeline in sorted({recipe.spacy_pipeline for recipe in to_parse}):
+                missing = _spacy_pipeline_missing(pipeline)
+                if missing:
+                    skipped = [recipe.name for recipe in to_parse if recipe.spacy_pipeline == pipeline]
+                    print(f"skipping the recipes that parse their targets with spaCy ({', '.join(skipped)}): "
+                          f"{missing}", flush=True)
+                    chosen = [recipe for recipe in chosen if recipe.name not in skipped]
         if args.max_minutes is not None and args.max_minutes <= 0:
             raise ValueError(f"--max_minutes must be positive, got {args.max_minutes:g}")
         deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
