@@ -111,9 +111,9 @@ def build_insertion_batch(
     - ``decoder_input_ids`` ``[b, L]``: ``<s> </s> y_order[0] .. y_order[len-1]`` then padding;
     - ``decoder_attention_mask`` ``[b, L]``;
     - ``relative_positions`` ``[b, L, L]`` int8 (Eq. 3 from the final positions, which every step agrees with);
-    - ``insertion_labels`` ``[b, L]``: at index i the word inserted next (Eq. 8 targets), ``<eod>`` after the last
+    - ``insertion_targets`` ``[b, L]``: at index i the word inserted next (Eq. 8 targets), ``<eod>`` after the last
       word, ``-100`` elsewhere;
-    - ``pointer_labels`` ``[b, L, 2]``: at index i the left and right neighbour (insertion indices) of the word
+    - ``pointer_targets`` ``[b, L, 2]``: at index i the left and right neighbour (insertion indices) of the word
       inserted next (Eq. 11 targets), ``-100`` where no word is inserted.
 
     ``check_orders=False`` skips checking that the orders are permutations (a host sync) for orders that are by
@@ -145,19 +145,19 @@ def build_insertion_batch(
         dim=1,
     )
     relative_positions = relative_positions_from_absolute(positions)
-    insertion_labels = torch.full((batch, length), -100, dtype=torch.long, device=device)
-    insertion_labels[:, 1:-1] = torch.where(in_target, generated, torch.full_like(generated, -100))
-    insertion_labels.scatter_(1, (target_lengths + 1)[:, None].long(), eod_token_id)
+    insertion_targets = torch.full((batch, length), -100, dtype=torch.long, device=device)
+    insertion_targets[:, 1:-1] = torch.where(in_target, generated, torch.full_like(generated, -100))
+    insertion_targets.scatter_(1, (target_lengths + 1)[:, None].long(), eod_token_id)
     left, right = insertion_neighbors(positions, valid)
-    pointer_labels = torch.full((batch, length, 2), -100, dtype=torch.long, device=device)
-    pointer_labels[:, :-1, 0] = left[:, 1:].masked_fill(left[:, 1:] < 0, -100)
-    pointer_labels[:, :-1, 1] = right[:, 1:].masked_fill(right[:, 1:] < 0, -100)
+    pointer_targets = torch.full((batch, length, 2), -100, dtype=torch.long, device=device)
+    pointer_targets[:, :-1, 0] = left[:, 1:].masked_fill(left[:, 1:] < 0, -100)
+    pointer_targets[:, :-1, 1] = right[:, 1:].masked_fill(right[:, 1:] < 0, -100)
     return {
         "decoder_input_ids": decoder_input_ids,
         "decoder_attention_mask": valid.long(),
         "relative_positions": relative_positions,
-        "insertion_labels": insertion_labels,
-        "pointer_labels": pointer_labels,
+        "insertion_targets": insertion_targets,
+        "pointer_targets": pointer_targets,
     }
 
 

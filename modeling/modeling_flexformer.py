@@ -751,7 +751,16 @@ class FlexformerModel(FlexformerPreTrainedModel):
         pad = config.pad_token_id
         encoder_embeddings = nn.Embedding(config.vocab_size, config.encoder_embed_dim, pad)
         if config.share_all_embeddings:
-            decoder_embeddings = encoder_embeddings
+            # One table tied by parameter, as Transformers ties (BART's way): the decoder has a module of its own
+            # whose weight `tie_weights()` makes the encoder's. One module on both sides would not do: Transformers
+            # builds the model on the meta device and marks the tie's target as loaded, which would mark the
+            # source too, so a checkpoint without the table would leave it on the meta device, unreported.
+            # Until the tie, the decoder's weight is a stand-in sharing the encoder's storage, left out of the
+            # initialisation as Transformers leaves a tie's target (no random draw: seeded models are unchanged).
+            decoder_embeddings = nn.Embedding(
+                config.vocab_size, config.decoder_embed_dim, pad, _weight=encoder_embeddings.weight
+            )
+            decoder_embeddings.weight._is_hf_initialized = True
             # The encoder registers the shared table first, so `named_parameters()` and the checkpoint call it by the
             # encoder's name: that name is the source of the tie (checkpoints saved under the decoder's name still
             # load: Transformers ties either way round).

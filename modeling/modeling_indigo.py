@@ -107,6 +107,16 @@ class InDIGOSeq2SeqOutput(Seq2SeqLMOutput):
 INDIGO_COMPONENTS = BackboneComponents(decoder_self_attention=InDIGOSelfAttention)
 
 
+def _under_either_name(value, kwargs: dict, name: str, earlier_name: str):
+    """The value of the `forward` argument `name`, or of its earlier name `earlier_name` (popped from `kwargs`)."""
+    earlier_value = kwargs.pop(earlier_name, None)
+    if earlier_value is None:
+        return value
+    if value is not None:
+        raise ValueError(f"InDIGO's forward got both {name} and {earlier_name} (its earlier name): pass {name} only")
+    return earlier_value
+
+
 class InDIGOModel(FlexformerModel):
     """Encoder + InDIGO decoder (relative-position self-attention, no absolute decoder positions), no heads."""
 
@@ -212,8 +222,8 @@ class InDIGOForConditionalGeneration(InsertionDecoding, FlexformerForConditional
         self,
         hidden_states: torch.Tensor,
         decoder_input_ids: torch.Tensor,
-        insertion_labels: torch.Tensor,
-        pointer_labels: torch.Tensor,
+        insertion_targets: torch.Tensor,
+        pointer_targets: torch.Tensor,
         epsilon: float,
         return_logits: bool = False,
     ):
@@ -223,8 +233,8 @@ class InDIGOForConditionalGeneration(InsertionDecoding, FlexformerForConditional
         batch, length, _ = hidden_states.shape
         logits = self.word_logits(hidden_states)
         log_probs = logits.float().log_softmax(-1)
-        word_mask = insertion_labels.ne(-100)
-        safe_labels = insertion_labels.masked_fill(~word_mask, 0)
+        word_mask = insertion_targets.ne(-100)
+        safe_labels = insertion_targets.masked_fill(~word_mask, 0)
         word_nll = -log_probs.gather(-1, safe_labels[..., None]).squeeze(-1).masked_fill(~word_mask, 0.0)
         word_loss = word_nll.sum(-1)
         if epsilon > 0:
@@ -232,7 +242,7 @@ class InDIGOForConditionalGeneration(InsertionDecoding, FlexformerForConditional
             smooth = -log_probs.sum(-1).masked_fill(~word_mask, 0.0).sum(-1)
             word_loss = (1.0 - epsilon - eps_i) * word_loss + eps_i * smooth
         # Pointer over [left keys | right keys] of all L positions; a query at i sees words 0..i (causal).
-        pointer_mask = pointer_labels[..., 0].ne(-100)
+        pointer_mask = pointer_targets[..., 0].ne(-100)
         query = self.pointer_query(hidden_states, safe_labels)
         left_keys, right_keys = self.pointer_keys(hidden_states)
         pointer_logits = torch.cat([query @ left_keys.transpose(1, 2), query @ right_keys.transpose(1, 2)], -1).float()
@@ -243,7 +253,7 @@ class InDIGOForConditionalGeneration(InsertionDecoding, FlexformerForConditional
         allowed = torch.cat([visible_left, visible_right], dim=-1)
         pointer_logits = pointer_logits.masked_fill(~allowed[None], float("-inf"))
         pointer_log_probs = pointer_logits.log_softmax(-1).masked_fill(~pointer_mask[..., None], 0.0)
-        safe_pointer = pointer_labels.masked_fill(~pointer_mask[..., None], 0)
+        safe_pointer = pointer_targets.masked_fill(~pointer_mask[..., None], 0)
         right_of_left = pointer_log_probs.gather(-1, (safe_pointer[..., :1] + length))
         left_of_right = pointer_log_probs.gather(-1, safe_pointer[..., 1:])
         position_nll = -torch.logaddexp(right_of_left, left_of_right).squeeze(-1).masked_fill(~pointer_mask, 0.0)
@@ -263,8 +273,8 @@ class InDIGOForConditionalGeneration(InsertionDecoding, FlexformerForConditional
         decoder_input_ids: torch.LongTensor | None = None,
         decoder_attention_mask: torch.Tensor | None = None,
         relative_positions: torch.Tensor | None = None,
-        insertion_labels: torch.LongTensor | None = None,
-        pointer_labels: torch.LongTensor | None = None,
+        insertion_targets: torch.LongTensor | None = None,
+        pointer_targets: torch.LongTensor | None = None,
         labels: torch.LongTensor | None = None,
         target_ids: torch.LongTensor | None = None,
         target_lengths: torch.LongTensor | None = None,
@@ -281,18 +291,25 @@ class InDIGOForConditionalGeneration(InsertionDecoding, FlexformerForConditional
     ) -> InDIGOSeq2SeqOutput | tuple:
         """Teacher-forced InDIGO.
 
-        - With ``decoder_input_ids`` (or ``decoder_inputs_embeds``) + ``relative_positions`` (+ ``insertion_labels``
-          and ``pointer_labels`` for the loss), from :func:`build_insertion_batch` / the collator: the given order.
+        - With ``decoder_input_ids`` (or ``decoder_inputs_embeds``) + ``relative_positions`` (+ ``insertion_targets``
+          and ``pointer_targets`` for the loss), from :func:`build_insertion_batch` / the collator: the given order.
         - With only ``labels`` (reading order, ending in ``</s>``, -100 padding): the L2R order. ``labels`` with
           ``decoder_input_ids`` that are the labels shifted right (what ``DataCollatorForSeq2Seq`` adds for any
-          model) is the same; other decoder inputs with ``labels`` but no ``insertion_labels`` are refused.
+          model) is the same; other decoder inputs with ``labels`` but no ``insertion_targets`` are refused.
         - With ``target_ids``/``target_lengths`` and ``model.use_searched_orders``: SAO (Sec. 4.2) — beam search over
           permutations (``model.sao_beam_size``), then the loss averaged over the found orders (Eq. 12).
         The loss is (word loss + position loss) / number of target tokens (``num_items_in_batch`` when given).
         Attention weights and hidden states are those of the insertion-order decoder inputs.
+
+        ``labels`` is the only argument named for labels: Transformers' ``Trainer`` takes every ``forward`` argument
+        whose name contains "label" for a label each evaluation batch must hold, so the insertion targets (derived
+        from the labels) are ``insertion_targets`` / ``pointer_targets``; their earlier names ``insertion_labels`` /
+        ``pointer_labels`` are still taken.
         """
         for key in ("cache_position", "position_ids", "decoder_position_ids"):
             kwargs.pop(key, None)
+        insertion_targets = _under_either_name(insertion_targets, kwargs, "insertion_targets", "insertion_labels")
+        pointer_targets = _under_either_name(pointer_targets, kwargs, "pointer_targets", "pointer_labels")
         if kwargs:
             raise ValueError(f"InDIGOForConditionalGeneration.forward got unexpected arguments {sorted(kwargs)}")
         config = self.config
@@ -307,7 +324,7 @@ class InDIGOForConditionalGeneration(InsertionDecoding, FlexformerForConditional
         encoder_states = encoder_outputs.last_hidden_state
         searching = target_ids is not None and self.use_searched_orders
         has_decoder_inputs = decoder_input_ids is not None or decoder_inputs_embeds is not None
-        if labels is not None and insertion_labels is None and has_decoder_inputs and not searching:
+        if labels is not None and insertion_targets is None and has_decoder_inputs and not searching:
             self._check_labels_alone(labels, decoder_input_ids, relative_positions)
             decoder_input_ids = None
 
@@ -327,7 +344,7 @@ class InDIGOForConditionalGeneration(InsertionDecoding, FlexformerForConditional
             )
             decoder_input_ids = batch["decoder_input_ids"]
             relative_positions = batch["relative_positions"]
-            insertion_labels, pointer_labels = batch["insertion_labels"], batch["pointer_labels"]
+            insertion_targets, pointer_targets = batch["insertion_targets"], batch["pointer_targets"]
             encoder_states = encoder_states.repeat_interleave(keep, 0)
             attention_mask = attention_mask.repeat_interleave(keep, 0)
         elif decoder_input_ids is None and decoder_inputs_embeds is None:
@@ -336,27 +353,27 @@ class InDIGOForConditionalGeneration(InsertionDecoding, FlexformerForConditional
             batch = self.insertion_batch_from_labels(labels, target_ids, target_lengths)
             decoder_input_ids = batch["decoder_input_ids"]
             relative_positions = batch["relative_positions"]
-            insertion_labels, pointer_labels = batch["insertion_labels"], batch["pointer_labels"]
+            insertion_targets, pointer_targets = batch["insertion_targets"], batch["pointer_targets"]
         if relative_positions is None:
             raise ValueError("InDIGO's forward needs relative_positions with decoder_input_ids (see build_insertion_batch)")
 
         decoder_outputs = self._decoder_outputs(
             decoder_input_ids, relative_positions, encoder_states, attention_mask,
-            past_key_values=past_key_values, use_cache=bool(use_cache) and insertion_labels is None,
+            past_key_values=past_key_values, use_cache=bool(use_cache) and insertion_targets is None,
             inputs_embeds=decoder_inputs_embeds, **outputs_wanted,
         )
         hidden_states, cache = decoder_outputs.last_hidden_state, output_cache(decoder_outputs)
         loss = word_part = position_part = logits = pointer_log_probs = None
-        if insertion_labels is not None:
-            if pointer_labels is None:
-                raise ValueError("insertion_labels need pointer_labels (see build_insertion_batch)")
+        if insertion_targets is not None:
+            if pointer_targets is None:
+                raise ValueError("insertion_targets need pointer_targets (see build_insertion_batch)")
             word_loss, _, position_nll, logits, pointer_log_probs = self.insertion_losses(
-                hidden_states, decoder_input_ids, insertion_labels, pointer_labels, self.config.label_smoothing,
+                hidden_states, decoder_input_ids, insertion_targets, pointer_targets, self.config.label_smoothing,
                 return_logits=not self.training,
             )
             weights = order_weights if order_weights is not None else torch.ones_like(word_loss)
             if num_items_in_batch is None:
-                denominator = insertion_labels.ne(-100).float().sum(-1).mul(weights).sum().clamp(min=1)
+                denominator = insertion_targets.ne(-100).float().sum(-1).mul(weights).sum().clamp(min=1)
             else:
                 denominator = num_items_in_batch
             if isinstance(denominator, torch.Tensor):
@@ -388,7 +405,7 @@ class InDIGOForConditionalGeneration(InsertionDecoding, FlexformerForConditional
         self, labels: torch.Tensor | None, target_ids: torch.Tensor | None = None, target_lengths=None
     ) -> dict[str, torch.Tensor]:
         """The left-to-right insertion batch (:func:`build_insertion_batch`: ``decoder_input_ids``,
-        ``relative_positions``, ``insertion_labels``, ``pointer_labels``, ``decoder_attention_mask``) of reading-order
+        ``relative_positions``, ``insertion_targets``, ``pointer_targets``, ``decoder_attention_mask``) of reading-order
         ``labels`` (``w_1 .. w_n </s>``, -100 or pad padding), or of ``target_ids`` / ``target_lengths``."""
         if target_ids is None:
             target_ids, target_lengths = self._targets_from_labels(labels)
@@ -408,10 +425,10 @@ class InDIGOForConditionalGeneration(InsertionDecoding, FlexformerForConditional
         ):
             return
         raise ValueError(
-            "InDIGO's forward got labels with decoder inputs of their own but no insertion_labels: InDIGO trains on "
+            "InDIGO's forward got labels with decoder inputs of their own but no insertion_targets: InDIGO trains on "
             "insertions. Pass labels alone (reading order; their left-to-right insertion batch is built, as it is "
             "when decoder_input_ids are the labels shifted right, e.g. from DataCollatorForSeq2Seq), or a whole "
-            "insertion batch: decoder_input_ids, relative_positions, insertion_labels and pointer_labels "
+            "insertion batch: decoder_input_ids, relative_positions, insertion_targets and pointer_targets "
             "(build_insertion_batch, or the InDIGO collator of flexformers-train), or target_ids and target_lengths "
             "for searched orders."
         )
@@ -453,7 +470,7 @@ class InDIGOForConditionalGeneration(InsertionDecoding, FlexformerForConditional
             batch["decoder_input_ids"], batch["relative_positions"], encoder_states, attention_mask
         )
         _, word_nll, position_nll, _, _ = self.insertion_losses(
-            hidden_states, batch["decoder_input_ids"], batch["insertion_labels"], batch["pointer_labels"], 0.0
+            hidden_states, batch["decoder_input_ids"], batch["insertion_targets"], batch["pointer_targets"], 0.0
         )
         return -(word_nll + position_nll)
 

@@ -70,6 +70,21 @@ class IOTOrderPredictor(nn.Module):
         return F.dropout(logits, p=self.dropout, training=self.training)
 
 
+class GumbelTemperatures(nn.Module):
+    """(τ_e, τ_d), the Gumbel-softmax temperatures of Eq. 1 / Eq. 2 at the current optimisation step, in a
+    non-persistent buffer ``values`` that ``IOTForConditionalGeneration._init_weights`` fills from the schedule.
+
+    The training forward reads them as tensors: a compiled training step takes them as inputs, where a Python number
+    (or the step it comes from) would be specialised on and recompile the step at every new optimisation step. As a
+    buffer they follow the model's device and are materialised when Transformers builds the model on the meta
+    device (``from_pretrained``); a submodule of their own is re-initialised even where Transformers marks the
+    top-level model as initialised (FSDP's low-memory loading)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("values", torch.ones(2), persistent=False)
+
+
 @dataclass
 class IOTEncoderOutput(BaseModelOutput):
     """The encoder output plus the orders chosen per sentence (candidate indices into ``config.*_orders``).
@@ -248,6 +263,8 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
             if use and config.num_decoder_orders > 1
             else None
         )
+        self.gumbel_temperature = GumbelTemperatures()
+        self._written_gumbel_temperatures: tuple[float, float] | None = None
         self.gumbel_step = 0
         # Row layout for mixed orders: candidates sharing a sub-layer at a stage are neighbours (see the function).
         self.decoder_row_arrangement = contiguous_order_arrangement(config.decoder_sublayer_orders)
@@ -260,6 +277,11 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
         if isinstance(module, IOTOrderPredictor):
             if not getattr(module.weight, "_is_hf_initialized", False):
                 nn.init.normal_(module.weight, mean=0.0, std=module.weight.shape[1] ** -0.5)
+            return
+        if isinstance(module, GumbelTemperatures):
+            temperatures = self.gumbel_temperatures()
+            module.values.copy_(torch.tensor(temperatures))
+            self._written_gumbel_temperatures = temperatures
             return
         super()._init_weights(module)
 
@@ -276,12 +298,12 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
     @gumbel_step.setter
     def gumbel_step(self, step: int) -> None:
         self._gumbel_step = int(step)
-        # The training forward reads (τ_e, τ_d) as 0-dim tensors: a compiled training step takes them as inputs,
-        # where a Python number (or the step it comes from) would be specialised on and recompile the step at
-        # every new optimisation step.
-        self._gumbel_temperature_tensors = tuple(
-            torch.tensor(tau, dtype=torch.float64) for tau in self.gumbel_temperatures()
-        )
+        temperatures = self.gumbel_temperatures()
+        # Written only when the schedule moves: a copy from the host into a buffer on an accelerator every step
+        # would wait for the step before it.
+        if temperatures != self._written_gumbel_temperatures:
+            self.gumbel_temperature.values.copy_(torch.tensor(temperatures))
+            self._written_gumbel_temperatures = temperatures
 
     def gumbel_temperatures(self) -> tuple[float, float]:
         """(τ_e, τ_d) at the current step (see ``gumbel_temperature_at``)."""
@@ -542,7 +564,7 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
         batch = source.shape[0]
         device = source.device
         num_enc, num_dec = config.num_encoder_orders, config.num_decoder_orders
-        tau_e, tau_d = self._gumbel_temperature_tensors
+        tau_e, tau_d = self.gumbel_temperature.values
         clamp = config.order_prob_clamp
         encoder = self.get_encoder()
         outputs_wanted = {"output_attentions": output_attentions, "output_hidden_states": output_hidden_states}
@@ -731,7 +753,10 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
             shapes["decoder_prob"] = (num_dec,)
         if self.encoder_order_predictor is not None:
             shapes["encoder_prob"] = (num_enc,)
-        return {name: torch.zeros(shape) for name, shape in shapes.items()}
+        # Per-process accumulators of logged values, not model state (no buffers: DDP would broadcast rank 0's over
+        # every rank's and `.to(dtype)` would round them), made on the host even while Transformers builds the
+        # model on the meta device; the first training forward moves them to the model's device.
+        return {name: torch.zeros(shape, dtype=torch.float32, device="cpu") for name, shape in shapes.items()}
 
     @torch.no_grad()
     def _accumulate_order_statistics(

@@ -178,8 +178,8 @@ def test_collator_targets_replay_to_the_reference(targets, order, seed):
     batch = collator(features)
     for row, target in enumerate(targets):
         tokens = batch["decoder_input_ids"][row].tolist()
-        labels = batch["insertion_labels"][row].tolist()
-        pointers = batch["pointer_labels"][row].tolist()
+        labels = batch["insertion_targets"][row].tolist()
+        pointers = batch["pointer_targets"][row].tolist()
         n = len(target)
         assert tokens[:2] == [0, 2] and all(t == 1 for t in tokens[n + 2:])
         assert labels[0] == -100 and labels[1 : n + 1] == tokens[2 : n + 2] and labels[n + 1] == 4  # <eod> last
@@ -303,7 +303,7 @@ def test_syn_collator_parses_each_target_once(english_parser):
     assert parser.parsed == len(texts)  # all new targets in one batch, the repeated one once
     again = collator(features[::-1])
     assert parser.parsed == len(texts)  # nothing parsed again
-    for key in ("decoder_input_ids", "relative_positions", "insertion_labels", "pointer_labels"):
+    for key in ("decoder_input_ids", "relative_positions", "insertion_targets", "pointer_targets"):
         assert torch.equal(first[key], again[key].flip(0)), key  # the same insertions, from the kept orders
     for feature in features:
         words = collator.target_words(feature["labels"])
@@ -404,7 +404,7 @@ def test_loss_is_word_plus_position_negative_log_likelihood(model, source):
 def test_labels_of_a_standard_seq2seq_batch_train_and_other_decoder_inputs_are_refused(model, source):
     """A batch as `DataCollatorForSeq2Seq` builds it for any model — labels plus `decoder_input_ids` =
     `prepare_decoder_input_ids_from_labels(labels)` — trains on the labels (the left-to-right insertion loss), as labels
-    alone do. Labels beside decoder inputs of any other kind, without insertion_labels, are refused with a message
+    alone do. Labels beside decoder inputs of any other kind, without insertion_targets, are refused with a message
     naming what InDIGO needs (an insertion batch without its labels gave loss None)."""
     labels = torch.tensor([[12, 13, 14, 2], [15, 16, 2, -100], [17, 2, -100, -100]])
     alone = model(input_ids=source, labels=labels)
@@ -418,7 +418,7 @@ def test_labels_of_a_standard_seq2seq_batch_train_and_other_decoder_inputs_are_r
         {"decoder_inputs_embeds": model.get_decoder().embed_tokens(shifted)},
     ]
     for decoder_inputs in refused:
-        with pytest.raises(ValueError, match="insertion_labels and pointer_labels"):
+        with pytest.raises(ValueError, match="insertion_targets and pointer_targets"):
             model(input_ids=source, labels=labels, **decoder_inputs)
 
 

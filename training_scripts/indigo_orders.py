@@ -225,8 +225,8 @@ class InDIGODataCollator:
 
     Features are ``{"input_ids": [...], "labels": [...]}`` (both ending with ``</s>``). The batch keeps
     ``labels`` in reading order (the pipeline's metrics and ``predict_with_generate`` decode them) and adds
-    ``decoder_input_ids``, ``decoder_attention_mask``, ``relative_positions``, ``insertion_labels`` and
-    ``pointer_labels`` for :class:`InDIGOForConditionalGeneration`. With ``order="sao"`` it adds
+    ``decoder_input_ids``, ``decoder_attention_mask``, ``relative_positions``, ``insertion_targets`` and
+    ``pointer_targets`` for :class:`InDIGOForConditionalGeneration`. With ``order="sao"`` it adds
     ``target_ids``/``target_lengths`` instead and the model searches the orders itself (Sec. 4.2).
     """
 
