@@ -389,8 +389,10 @@ def test_export_writes_a_complete_hub_folder(tmp_path, baseline_checkpoint):
     out = export_checkpoint(baseline_checkpoint, tmp_path / "hub", ExportOptions(hub_model_id="someone/tiny"))
 
     names = sorted(path.name for path in out.iterdir())
-    # the backbone's model file and the sibling modules it imports (each idea in its own file), nothing else
+    # the backbone's model file and the sibling modules it imports (each idea in its own file), and the marker that
+    # lets --overwrite replace this folder (left out of the upload), nothing else
     assert names == [
+        ".flexformers-export.json",
         "README.md", "backbone_blocks.py", "branch_merge.py", "config.json", "configuration_flexformer.py",
         "cpu_kernels.py", "generation_config.json", "generation_hooks.py", "kv_caches.py", "losses.py",
         "model.safetensors", "modeling_flexformer.py", "positional_embeddings.py", "sublayer_order.py",
@@ -451,8 +453,15 @@ def test_export_overwrite_replaces_and_refuses_without_flag(tmp_path, baseline_c
     with pytest.raises(ExportError, match="already exists; pass --overwrite"):
         export_checkpoint(baseline_checkpoint, out)
     assert (out / "stale.txt").exists()
+    # --overwrite replaces only a previous export (issue 60: it used to replace any folder, runs included)
+    with pytest.raises(ExportError, match="not made by flexformers-export"):
+        export_checkpoint(baseline_checkpoint, out, ExportOptions(overwrite=True))
+    assert (out / "stale.txt").read_text() == "old"
+    (out / "stale.txt").unlink()
+    export_checkpoint(baseline_checkpoint, out, ExportOptions(overwrite=True))  # an empty folder: nothing to lose
+    (out / "README.md").write_text("stale card")
     export_checkpoint(baseline_checkpoint, out, ExportOptions(overwrite=True))
-    assert not (out / "stale.txt").exists() and (out / "model.safetensors").is_file()
+    assert (out / "README.md").read_text() != "stale card" and (out / "model.safetensors").is_file()
     assert leftovers(tmp_path) == []
 
 

@@ -17,7 +17,9 @@ checkpoint) and :mod:`~flexformers.training_scripts.hub_model_card` (the card); 
 
 The export is atomic: everything is written into a temporary directory next to the output and renamed into
 place only after the folder has been checked, so a failure (not a flexformers checkpoint, a corrupt
-``config.json``, truncated weights, ...) leaves nothing behind.
+``config.json``, truncated weights, ...) leaves nothing behind. The folder carries a marker
+(:data:`EXPORT_MARKER`, left out of the upload): ``--overwrite`` replaces only such a folder, never a run, a
+folder containing the checkpoint or anything else the user made.
 """
 
 from __future__ import annotations
@@ -119,7 +121,8 @@ def parse_overrides(text: str | None) -> dict[str, Any]:
 
 def _load_checkpoint(checkpoint: Path, classes: RemoteClasses):
     """Load config, model (every weight accounted for) and tokenizer, turning every failure into a clear error."""
-    from flexformers.training_scripts.tokenizer import load_tokenizers
+    from flexformers.training_scripts.model_loading import WeightsNotLoadedError, load_pretrained_checked
+    from flexformers.training_scripts.tokenizer import check_tokenizer_layout, load_tokenizers
 
     try:
         config = classes.config_class.from_pretrained(str(checkpoint))
@@ -127,15 +130,16 @@ def _load_checkpoint(checkpoint: Path, classes: RemoteClasses):
         raise ExportError(f"{checkpoint / 'config.json'} is not a valid {classes.config_class.__name__}: {error}") from error
     check_weights_file(checkpoint)
     try:
-        model, loading_info = classes.model_class.from_pretrained(
-            str(checkpoint), config=config, output_loading_info=True
-        )
+        model = load_pretrained_checked(classes.model_class, checkpoint, config=config)
+    except WeightsNotLoadedError as error:
+        raise ExportError(f"the weights do not match {classes.model_class.__name__}: {error}") from error
     except Exception as error:
         raise ExportError(f"cannot load the weights of {checkpoint} into {classes.model_class.__name__}: {error}") from error
-    problems = {key: value for key, value in loading_info.items() if value and key != "error_msgs"}
-    if problems or loading_info.get("error_msgs"):
-        raise ExportError(f"the weights in {checkpoint} do not match {classes.model_class.__name__}: {loading_info}")
     model.eval()
+    try:
+        check_tokenizer_layout(checkpoint)
+    except ValueError as error:
+        raise ExportError(str(error)) from error
     try:
         source_tokenizer, target_tokenizer = load_tokenizers(checkpoint)
     except Exception as error:
@@ -225,10 +229,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.PathLi
     options = options or ExportOptions()
     checkpoint = Path(checkpoint).resolve()
     output_dir = Path(output_dir).resolve()
-    if output_dir == checkpoint:
-        raise ExportError("the output directory must differ from the checkpoint directory")
-    if output_dir.exists() and not options.overwrite:
-        raise ExportError(f"{output_dir} already exists; pass --overwrite to replace it")
+    check_output_folder(checkpoint, output_dir, options.overwrite)
 
     raw_config = read_checkpoint_config(checkpoint)
     classes = resolve_model_type(str(raw_config["model_type"]))
@@ -285,8 +286,10 @@ def export_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.PathLi
             cards_dir=options.cards_dir,
         )
         (staging / "README.md").write_text(card, encoding="utf-8")
+        _write_export_marker(staging, checkpoint)
         for path in staging.rglob("*"):  # some writers (safetensors) create 0600 files
             path.chmod((0o777 if path.is_dir() else 0o666) & ~_current_umask())
+        check_output_folder(checkpoint, output_dir, options.overwrite)  # nothing changed it while we worked
         _replace_directory(staging, output_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -297,6 +300,77 @@ def export_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.PathLi
                 break
         raise
     return output_dir
+
+
+#: The file that marks a folder as made by ``flexformers-export`` (what was exported, when, which files): only such
+#: a folder may be replaced by ``--overwrite``. A dot-file, kept out of the Hub upload (:func:`push_folder_to_hub`)
+#: and ignored by ``from_pretrained``.
+EXPORT_MARKER = ".flexformers-export.json"
+
+
+def _write_export_marker(folder: Path, checkpoint: Path) -> None:
+    import datetime
+
+    files = sorted(str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file())
+    marker = {
+        "exported_by": "flexformers-export",
+        "checkpoint": str(checkpoint),
+        "exported_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "files": files,
+    }
+    (folder / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
+
+
+def previous_export_problem(folder: Path) -> str | None:
+    """Why ``folder`` is not a previous export that ``--overwrite`` may replace, or ``None`` when it is one: it
+    carries :data:`EXPORT_MARKER` and holds only the files that export wrote."""
+    marker_path = folder / EXPORT_MARKER
+    if not marker_path.is_file():
+        return f"it was not made by flexformers-export (it has no {EXPORT_MARKER})"
+    try:
+        marker = json.loads(marker_path.read_text(encoding="utf-8"))
+        written = set(marker["files"])
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
+        return f"its {EXPORT_MARKER} is unreadable ({error})"
+    added = sorted(
+        str(path.relative_to(folder)) for path in folder.rglob("*")
+        if not path.is_dir() and path != marker_path and str(path.relative_to(folder)) not in written
+    )
+    if added:
+        shown = ", ".join(added[:5]) + (f" and {len(added) - 5} more" if len(added) > 5 else "")
+        return f"it holds files the export did not write ({shown})"
+    return None
+
+
+def check_output_folder(checkpoint: Path, output_dir: Path, overwrite: bool) -> None:
+    """Refuse, with one line saying why, an output folder whose creation or replacement would lose anything: the
+    checkpoint itself, a folder containing the checkpoint or inside it, a file, an existing folder without
+    ``overwrite``, and with ``overwrite`` any folder but a previous, unmodified export. Both paths are resolved."""
+    if output_dir == checkpoint:
+        raise ExportError("the output directory must differ from the checkpoint directory")
+    if output_dir in checkpoint.parents:
+        raise ExportError(
+            f"{output_dir} contains the checkpoint {checkpoint}; export into a new folder outside it (replacing it "
+            f"would delete the checkpoint)"
+        )
+    if checkpoint in output_dir.parents:
+        raise ExportError(
+            f"{output_dir} is inside the checkpoint {checkpoint}; export into a folder outside the checkpoint"
+        )
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ExportError(f"{output_dir} exists and is not a folder; choose a new output folder")
+    if not output_dir.exists():
+        return
+    if not overwrite:
+        raise ExportError(f"{output_dir} already exists; pass --overwrite to replace it (a previous export only)")
+    if not any(output_dir.iterdir()):
+        return
+    problem = previous_export_problem(output_dir)
+    if problem is not None:
+        raise ExportError(
+            f"refusing to replace {output_dir}: {problem}; --overwrite replaces only a previous flexformers-export "
+            f"folder; choose a new output folder"
+        )
 
 
 def _current_umask() -> int:
@@ -310,7 +384,8 @@ def _replace_directory(staging: Path, output_dir: Path) -> None:
     if not output_dir.exists():
         os.replace(staging, output_dir)
         return
-    retired = output_dir.with_name(f".{output_dir.name}.old-{os.getpid()}")
+    # a fresh empty name (a directory may be renamed onto an empty one), never a leftover of an earlier export
+    retired = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.old-", dir=output_dir.parent))
     os.replace(output_dir, retired)
     try:
         os.replace(staging, output_dir)
@@ -327,7 +402,8 @@ def push_folder_to_hub(folder: str | os.PathLike, repo_id: str, *, private: bool
 
     api = HfApi(token=token)
     api.create_repo(repo_id=repo_id, repo_type="model", private=private, exist_ok=True)
-    commit = api.upload_folder(repo_id=repo_id, repo_type="model", folder_path=str(folder), commit_message=commit_message)
+    commit = api.upload_folder(repo_id=repo_id, repo_type="model", folder_path=str(folder),
+                               commit_message=commit_message, ignore_patterns=[EXPORT_MARKER])
     return str(getattr(commit, "commit_url", commit))
 
 
@@ -343,7 +419,9 @@ def build_argument_parser() -> argparse.ArgumentParser:
         "tokenizer, generation config, model card) and optionally upload it.",
     )
     parser.add_argument("checkpoint", help="checkpoint directory written by flexformers-train (with eval_results.json)")
-    parser.add_argument("output_dir", help="folder to create (fails if it exists, unless --overwrite)")
+    parser.add_argument(
+        "output_dir", help="folder to create (fails if it exists, unless --overwrite and it is a previous export)"
+    )
     parser.add_argument("--hub_model_id", help="Hub repository id, e.g. user/iot-iwslt14-de-en (card and upload)")
     parser.add_argument("--push_to_hub", action="store_true", help="upload the folder with huggingface_hub")
     parser.add_argument("--private", action="store_true", help="create the Hub repository as private")
@@ -359,7 +437,11 @@ def build_argument_parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"export without {EVAL_RESULTS_FILE} (the card then has no model-index)",
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    parser.add_argument(
+        "--overwrite", action="store_true",
+        help=f"replace an existing output folder made by a previous flexformers-export (it carries {EXPORT_MARKER}); "
+        "any other folder is refused",
+    )
     parser.add_argument("--cards_dir", default=str(DEFAULT_CARDS_DIR), help="directory of the card templates")
     return parser
 
@@ -385,9 +467,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ExportError as error:
         print(f"flexformers-export: {error}", file=sys.stderr)
         return 1
+    except OSError as error:  # disk full, a read-only folder: the staging folder is removed again (see above)
+        where = f" ({error.filename})" if error.filename else ""
+        print(f"flexformers-export: {error.strerror or error}{where}; the export was not made and {args.output_dir} "
+              f"is as it was", file=sys.stderr)
+        return 1
     print(f"exported {args.checkpoint} -> {folder}")
     if args.push_to_hub:
-        url = push_folder_to_hub(folder, args.hub_model_id, private=args.private)
+        try:
+            url = push_folder_to_hub(folder, args.hub_model_id, private=args.private)
+        except Exception as error:  # no network, no token, no permission: the export itself is kept
+            reason = (str(error).strip().splitlines() or [""])[0]
+            print(f"flexformers-export: uploading {folder} to {args.hub_model_id} failed ({type(error).__name__}: "
+                  f"{reason}); the exported folder is kept, upload it again later", file=sys.stderr)
+            return 1
         print(f"uploaded to {url}")
     return 0
 

@@ -3,7 +3,9 @@ the checkpoint's architecture, method settings, training arguments and evaluatio
 
 from __future__ import annotations
 
+import html
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -89,6 +91,40 @@ def method_specific_config(config: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Putting text that comes from data (samples, dataset names, config values) into Markdown safely
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _longest_run(text: str, character: str) -> int:
+    return max((len(run) for run in re.findall(f"{re.escape(character)}+", text)), default=0)
+
+
+def markdown_code_span(value: Any, table_cell: bool = False) -> str:
+    """``value`` as one inline code span, shown literally whatever it holds: delimited by more backticks than
+    any run inside it, on one line, and with ``|`` escaped in a table cell (GFM splits cells on it even in code)."""
+    text = " ".join(str(value).splitlines()) if str(value) else " "
+    if table_cell:
+        text = text.replace("|", "\\|")
+    delimiter = "`" * (_longest_run(text, "`") + 1)
+    if text.startswith("`") or text.endswith("`"):
+        text = f" {text} "
+    return f"{delimiter}{text}{delimiter}"
+
+
+def markdown_text(value: Any) -> str:
+    """``value`` as plain inline Markdown text: HTML special characters escaped (no markup can be injected) and
+    the characters that would start emphasis, links, code or table cells backslash-escaped; on one line."""
+    text = html.escape(" ".join(str(value).splitlines()), quote=False)
+    return re.sub(r"([\\`*_\[\]|~#])", r"\\\1", text)
+
+
+def code_fence(*texts: str) -> str:
+    """A ``~`` fence longer than any run of ``~`` in ``texts`` (at least four), so no line of theirs can close the
+    block; CommonMark does not render HTML inside a fenced block."""
+    return "~" * max(4, max((_longest_run(text, "~") for text in texts), default=0) + 1)
+
+
 def build_card_data(
     model_name: str,
     eval_results: dict[str, Any] | None,
@@ -151,7 +187,11 @@ def render_model_card(
     cards_dir: str | os.PathLike = DEFAULT_CARDS_DIR,
 ) -> str:
     """Render ``hub_cards/<model_type>.md`` and check that the result parses as a model card with a valid
-    ``model-index`` (``ModelCard(..., ignore_metadata_errors=False)``). Pure: takes plain dicts."""
+    ``model-index`` (``ModelCard(..., ignore_metadata_errors=False)``). Pure: takes plain dicts.
+
+    Templates put every value that comes from data through a filter: ``| code`` (an inline code span), ``| cell``
+    (a code span in a table cell), ``| text`` (escaped inline text), ``| tojson`` inside code, and each sample
+    inside its own ``row.fence``; so a test sentence holding a fence or HTML is shown, never rendered."""
     import jinja2
     from huggingface_hub import ModelCard
 
@@ -165,6 +205,9 @@ def render_model_card(
         keep_trailing_newline=True,
         autoescape=False,
     )
+    environment.filters["code"] = markdown_code_span
+    environment.filters["cell"] = lambda value: markdown_code_span(value, table_cell=True)
+    environment.filters["text"] = markdown_text
     card_data = build_card_data(
         model_id.split("/")[-1],
         eval_results,
@@ -192,7 +235,7 @@ def render_model_card(
         task_name=TASK_NAMES.get(eval_results["task"], eval_results["task"]) if eval_results else None,
         training_arguments=training_arguments or {},
         method_config=method_config or {},
-        samples=list(samples),
+        samples=[dict(sample, fence=code_fence(*(str(text) for text in sample.values()))) for sample in samples],
         example_input=samples[0]["source"] if samples else None,
         datasets=list(datasets or []),
         metric_names=METRIC_NAMES,

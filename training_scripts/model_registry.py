@@ -30,8 +30,9 @@ What the train script does with it, in order:
    from the tokenizer. Then ``spec.update_config(config, method_args)`` if given (returns the config).
 3. ``model = spec.build_model(model_args, method_args, config, tokenizer)``; the default
    (:func:`default_build_model`) is ``model_class.from_pretrained(model_args.model_name_or_path)`` when a
-   checkpoint is given, else ``model_class(config)``. Use the hook e.g. for proximal initialisation from a
-   baseline checkpoint (MAT).
+   checkpoint is given (refused when a weight is missing or left over: load through
+   :func:`load_initial_checkpoint` in a hook too), else ``model_class(config)``. Use the hook e.g. for proximal
+   initialisation from a baseline checkpoint (MAT).
 4. ``collator = spec.data_collator(tokenizer, model, method_args)``; the default is
    :func:`default_data_collator` (``DataCollatorForSeq2Seq``: ``input_ids``, ``attention_mask``, ``labels``
    padded with -100, ``decoder_input_ids`` built by the model's ``prepare_decoder_input_ids_from_labels`` when
@@ -57,10 +58,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 import pkgutil
 import re
 from collections.abc import Callable
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 _MODEL_TYPE_PATTERN = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -117,13 +121,45 @@ class MethodSpec:
         return config if updated is None else updated
 
 
+#: What a refusal of ``--model_name_or_path`` with missing weights tells the user to pass to load it anyway.
+ALLOW_MISSING_WEIGHTS_HINT = "pass --allow_missing_weights to initialise from it anyway"
+
+
+def load_initial_checkpoint(model_class, model_args, config):
+    """``model_class.from_pretrained(model_args.model_name_or_path, config=config)`` for training, refused
+    (``ValueError``, one line naming them) when a weight is missing, unexpected or of another shape, unless
+    ``model_args.allow_missing_weights``. The weights that ``config`` adds to (or drops from) the checkpoint's own
+    architecture are expected, and logged: a method initialised from a plain ``flexformer`` checkpoint, or
+    Depth-Adaptive's second stage adding its halting mechanism. The methods' ``build_model`` hooks load through it."""
+    from flexformers.training_scripts.model_loading import architecture_change, load_pretrained_checked
+
+    checkpoint = model_args.model_name_or_path
+    added, removed = architecture_change(model_class, config, checkpoint)
+    if added or removed:
+        logger.warning(
+            "%s: %d weight(s) that this %s adds to the checkpoint's architecture start from their initialisation "
+            "(%s); %d of the checkpoint's go unused", checkpoint, len(added), model_class.__name__,
+            ", ".join(sorted(added)[:5]) + (" ..." if len(added) > 5 else ""), len(removed),
+        )
+    return load_pretrained_checked(
+        model_class,
+        checkpoint,
+        config=config,
+        allow_missing_weights=bool(getattr(model_args, "allow_missing_weights", False)),
+        allow_hint=ALLOW_MISSING_WEIGHTS_HINT,
+        expected_missing=added,
+        expected_unexpected=removed,
+    )
+
+
 def default_build_model(model_args, method_args, config, tokenizer, model_class=None):
-    """``from_pretrained`` when ``model_args.model_name_or_path`` is set, else a freshly initialised model."""
+    """``from_pretrained`` when ``model_args.model_name_or_path`` is set (every weight must load, see
+    :func:`load_initial_checkpoint`), else a freshly initialised model."""
     if model_class is None:
         raise ValueError("default_build_model needs model_class")
     checkpoint = getattr(model_args, "model_name_or_path", None)
     if checkpoint:
-        return model_class.from_pretrained(checkpoint, config=config)
+        return load_initial_checkpoint(model_class, model_args, config)
     return model_class(config)
 
 

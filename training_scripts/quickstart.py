@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -126,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tiny: d=128, 2+2 layers (default); paper: transformer_codegen_small, d=256, 3+3 layers; "
                              "iwslt: transformer_iwslt_de_en's 6+6 layers, d=512 (a GPU's)")
     parser.add_argument("--seed", type=int, default=42, help="(default: %(default)s)")
+    parser.add_argument("--overwrite_output_dir", action="store_true",
+                        help="start afresh in an --output_dir that holds another run's files: they are moved aside "
+                             "into a subfolder, not deleted (without it such a folder is refused)")
     parser.add_argument("--smoke", action="store_true", help="a few steps and a few test examples (for tests)")
     return parser
 
@@ -161,6 +165,8 @@ def training_argv(args, recipe: dict, train_minutes: float | None) -> list[str]:
     ]
     if args.python_source_dirs:
         argv += ["--python_source_dirs", *args.python_source_dirs]
+    if args.overwrite_output_dir:
+        argv += ["--overwrite_output_dir", "true"]
     if args.max_steps:
         argv += ["--max_steps", str(args.max_steps)]
     else:
@@ -354,10 +360,16 @@ def _data_fields(data_flags: list[str], python_source_dirs) -> dict:
     return fields
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point."""
-    run_from_argv(argv)
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point: 0 on success; bad input (too few --minutes, an --output_dir holding another
+    run's files, a damaged checkpoint) prints one line naming the problem, without a traceback, and returns 1."""
+    try:
+        run_from_argv(argv)
+    except ValueError as error:
+        print(f"flexformers-quickstart: error: {error}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

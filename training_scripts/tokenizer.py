@@ -13,6 +13,7 @@ directory (it decodes generations) and the source tokenizer in ``<model dir>/sou
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -101,14 +102,52 @@ def save_tokenizers(output_dir: str | os.PathLike, source_tokenizer, target_toke
         source_tokenizer.save_pretrained(str(output_dir / SOURCE_TOKENIZER_SUBDIR))
 
 
+def separate_vocabularies(path: str | os.PathLike) -> bool | None:
+    """Whether the model saved in ``path`` has separate source and target vocabularies (its ``config.json`` sets
+    ``target_vocab_size`` without ``share_all_embeddings``, as ``--joint_vocab false`` does); ``None`` when ``path``
+    holds no readable model config (a tokenizer-only directory)."""
+    config_path = Path(path) / "config.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(config, dict) or "model_type" not in config:
+        return None
+    return config.get("target_vocab_size") is not None and not config.get("share_all_embeddings", False)
+
+
+def check_tokenizer_layout(path: str | os.PathLike) -> None:
+    """Raise ``ValueError`` when the tokenizers saved in ``path`` do not match the vocabularies of the model saved
+    there: a separate-vocabulary model without ``source_tokenizer/`` (it would encode its inputs with the target
+    vocabulary: wrong ids, no error), or a joint-vocabulary model with a stray ``source_tokenizer/``. A directory
+    without a model config is not checked."""
+    path = Path(path)
+    source_dir = path / SOURCE_TOKENIZER_SUBDIR
+    separate = separate_vocabularies(path)
+    if separate and not (source_dir / "tokenizer.json").is_file():
+        raise ValueError(
+            f"{path}: config.json says the model has separate source and target vocabularies, but "
+            f"{SOURCE_TOKENIZER_SUBDIR}/tokenizer.json is missing; the target tokenizer cannot stand in for the "
+            f"source one (restore {source_dir} from the training run)"
+        )
+    if separate is False and source_dir.exists():
+        raise ValueError(
+            f"{path}: config.json says the model has one joint vocabulary, but {source_dir} exists; it belongs to "
+            f"another model (remove or move it)"
+        )
+
+
 def load_tokenizers(path: str | os.PathLike) -> tuple[PreTrainedTokenizerFast, PreTrainedTokenizerFast]:
-    """(source tokenizer, target tokenizer) saved by :func:`save_tokenizers` (the same object when joint)."""
+    """(source tokenizer, target tokenizer) saved by :func:`save_tokenizers` (the same object when joint); when
+    ``path`` also holds the model's ``config.json`` they must match its vocabularies
+    (:func:`check_tokenizer_layout`)."""
     path = Path(path)
     if not (path / "tokenizer.json").is_file():
         raise ValueError(f"{path} has no tokenizer.json (train a model with flexformers-train, which saves one)")
+    check_tokenizer_layout(path)
+    source_dir = path / SOURCE_TOKENIZER_SUBDIR
     target = PreTrainedTokenizerFast.from_pretrained(str(path))
     check_special_ids(target)
-    source_dir = path / SOURCE_TOKENIZER_SUBDIR
     if source_dir.is_dir():
         source = PreTrainedTokenizerFast.from_pretrained(str(source_dir))
         check_special_ids(source)

@@ -444,14 +444,14 @@ def method_analysis(recipe: ZooRecipe, output_dir: Path, test_sources: list[str]
     if recipe.model_type == "depth_adaptive":
         common = ["--model_name_or_path", str(output_dir), "--num_beams", "1" if smoke else str(recipe.test_beams),
                   "--batch_size", "64"] + (["--max_samples", "4", "--max_new_tokens", "8"] if smoke else [])
-        sweep = depth_adaptive_tools.main([
+        sweep = depth_adaptive_tools.run_from_argv([
             "threshold-search", *common, "--split", "validation", "--exit_strategy", "confidence",
             "--num_samples", "3" if smoke else str(DEPTH_ADAPTIVE_SWEEP[0]),
             *([] if smoke else ["--max_samples", str(DEPTH_ADAPTIVE_SWEEP[1])]),
             "--output_dir", str(output_dir / "threshold_search"),
         ])
         chosen = sweep["matching_full_depth"]
-        evaluated = depth_adaptive_tools.main([
+        evaluated = depth_adaptive_tools.run_from_argv([
             "evaluate", *common, "--split", "test", "--exit_strategy", "confidence", "--all_fixed_exits",
             "--exit_thresholds", ",".join(f"{threshold:.6f}" for threshold in chosen["thresholds"])])
         figures["depth_adaptive"] = {
@@ -567,7 +567,7 @@ def evaluated_hypotheses(output_dir: Path, test_sources: list[str]) -> list[str]
 def evaluate_trained(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, export: bool = True) -> dict:
     """The result of a recipe trained in ``runs_dir``: the test split decoded beside copying the input, the method's
     figures, its learning curve and training record, and (with ``export``) its Hub folder."""
-    from flexformers.training_scripts import decode, export_to_hub
+    from flexformers.training_scripts import decode
     from flexformers.training_scripts.quickstart import learning_curve
 
     output_dir = runs_dir / recipe.name
@@ -585,7 +585,8 @@ def evaluate_trained(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, exp
         # compared with is decoded that way too, beside its constrained score
         unconstrained = decode.run_from_argv([
             *test_decoding, "--num_samples_to_print", "0", "--permutation_of_source", "false",
-            "--write_eval_results", "false", "--output_file", str(output_dir / "generations.test.unconstrained.txt")])
+            "--write_eval_results", "false", "--output_file", str(output_dir / "generations.test.unconstrained.txt"),
+            "--overwrite_output"])  # the zoo's own file: a re-evaluation replaces it
     within_lengths = None
     beyond = evaluation["beyond_training_lengths"]
     if BEYOND_TRAINING_LENGTHS_SHARE * evaluation["num_examples"] < beyond < evaluation["num_examples"]:
@@ -631,11 +632,20 @@ def evaluate_trained(recipe: ZooRecipe, runs_dir: Path, smoke: bool = False, exp
             key: within_lengths[key] for key in ("num_examples", "metrics", "copy_baseline", "gain_over_copy")}
     if export:
         hub_dir = runs_dir / "hub" / recipe.name
-        code = export_to_hub.main([str(output_dir), str(hub_dir), "--overwrite"])
-        if code:
-            raise RuntimeError(f"exporting {output_dir} to {hub_dir} failed (exit {code})")
+        export_hub_folder(output_dir, hub_dir)
         result["hub_folder"] = str(hub_dir)
     return result
+
+
+def export_hub_folder(output_dir: Path, hub_dir: Path) -> None:
+    """Export a recipe's run to its Hub folder, replacing the zoo's previous export of it but nothing else (a
+    folder there that ``flexformers-export`` did not make is refused with a ``ValueError`` naming it)."""
+    from flexformers.training_scripts import export_to_hub
+
+    try:
+        export_to_hub.export_checkpoint(output_dir, hub_dir, export_to_hub.ExportOptions(overwrite=True))
+    except export_to_hub.ExportError as error:
+        raise ValueError(f"exporting {output_dir}: {error} (or pass --no_export)") from error
 
 
 def reevaluate(recipe: ZooRecipe, runs_dir: Path, records_dir: Path | None, export: bool = True) -> dict:

@@ -27,7 +27,7 @@ from transformers import Seq2SeqTrainer
 
 from flexformers.configuration.configuration_depth_adaptive import DepthAdaptiveConfig
 from flexformers.modeling.modeling_depth_adaptive import DepthAdaptiveForConditionalGeneration
-from flexformers.training_scripts.model_registry import MethodSpec
+from flexformers.training_scripts.model_registry import MethodSpec, load_initial_checkpoint
 
 # flag → config field; every flag defaults to None = keep the config's (or the stage-one checkpoint's) value.
 FLAG_FIELDS = {
@@ -112,7 +112,8 @@ def build_depth_adaptive_model(model_args, method_args, config: DepthAdaptiveCon
         return DepthAdaptiveForConditionalGeneration(config)
     stage_config = apply_depth_adaptive_flags(DepthAdaptiveConfig.from_pretrained(checkpoint), method_args)
     stage_config.label_smoothing = config.label_smoothing
-    return DepthAdaptiveForConditionalGeneration.from_pretrained(checkpoint, config=stage_config)
+    # the weights the flags add (halting) start from their initialisation; any other missing weight is refused
+    return load_initial_checkpoint(DepthAdaptiveForConditionalGeneration, model_args, stage_config)
 
 
 def _unwrap(model):

@@ -28,7 +28,7 @@ from flexformers.training_scripts.indigo_orders import (
     common_token_ids_by_frequency,
     load_spacy_pipeline,
 )
-from flexformers.training_scripts.model_registry import MethodSpec
+from flexformers.training_scripts.model_registry import MethodSpec, load_initial_checkpoint
 
 
 @dataclass
@@ -93,7 +93,8 @@ def build_indigo_model(model_args, method_args, config, tokenizer):
     """A fresh model, or ``--model_name_or_path`` (e.g. an L2R-trained InDIGO to bootstrap SAO from), with the SAO
     settings attached."""
     checkpoint = getattr(model_args, "model_name_or_path", None)
-    model = InDIGOForConditionalGeneration.from_pretrained(checkpoint, config=config) if checkpoint else InDIGOForConditionalGeneration(config)
+    model = (load_initial_checkpoint(InDIGOForConditionalGeneration, model_args, config) if checkpoint
+             else InDIGOForConditionalGeneration(config))
     if method_args is not None:
         model.sao_beam_size = method_args.sao_beam_size
         model.sao_search_dropout = method_args.sao_search_dropout

@@ -13,10 +13,12 @@ Presets: every backbone preset plus ``MAT_PRESETS`` (e.g. ``mat_iwslt_de_en`` = 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 from flexformers.configuration.configuration_mat import MATConfig
 from flexformers.modeling.modeling_mat import MATForConditionalGeneration
-from flexformers.training_scripts.model_registry import MethodSpec
+from flexformers.training_scripts.model_registry import ALLOW_MISSING_WEIGHTS_HINT, MethodSpec, load_initial_checkpoint
 
 # Config fields a proximal initialisation takes from the training config (everything else is the baseline's).
 PROXIMAL_INIT_FIELDS = (
@@ -46,6 +48,26 @@ class MATArguments:
     )
 
 
+def load_baseline(baseline: str, model_args):
+    """The flexformer baseline of a proximal initialisation with every weight loaded (a weight missing from its
+    file would be cloned, randomly initialised, into every branch), unless ``--allow_missing_weights``. Anything
+    but a flexformer checkpoint directory is passed on as given, for ``from_baseline`` to refuse by name."""
+    from flexformers.modeling.modeling_flexformer import FlexformerForConditionalGeneration
+    from flexformers.training_scripts.model_loading import load_pretrained_checked
+
+    try:
+        model_type = json.loads((Path(baseline) / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return baseline
+    if model_type != FlexformerForConditionalGeneration.config_class.model_type:
+        return baseline
+    return load_pretrained_checked(
+        FlexformerForConditionalGeneration, baseline,
+        allow_missing_weights=bool(getattr(model_args, "allow_missing_weights", False)),
+        allow_hint=ALLOW_MISSING_WEIGHTS_HINT,
+    )
+
+
 def build_mat_model(model_args, method_args, config: MATConfig, tokenizer) -> MATForConditionalGeneration:
     """Resume a MAT checkpoint, proximally initialise from a baseline, or start from scratch, in that order."""
     checkpoint = getattr(model_args, "model_name_or_path", None)
@@ -53,10 +75,10 @@ def build_mat_model(model_args, method_args, config: MATConfig, tokenizer) -> MA
     if checkpoint and baseline:
         raise ValueError("Give either --model_name_or_path (a MAT checkpoint) or --baseline_checkpoint, not both")
     if checkpoint:
-        return MATForConditionalGeneration.from_pretrained(checkpoint, config=config)
+        return load_initial_checkpoint(MATForConditionalGeneration, model_args, config)
     if baseline:
         overrides = {name: getattr(config, name) for name in PROXIMAL_INIT_FIELDS}
-        return MATForConditionalGeneration.from_baseline(baseline, **overrides)
+        return MATForConditionalGeneration.from_baseline(load_baseline(baseline, model_args), **overrides)
     return MATForConditionalGeneration(config)
 
 
