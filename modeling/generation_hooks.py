@@ -21,8 +21,9 @@ from .transformers_compat import generation_cache, set_generation_cache
 
 def check_generate_arguments(model, input_ids, generation_config=None, kwargs: dict | None = None) -> None:
     """A `ValueError` naming the argument for what `generate()` cannot decode -- an empty batch, zero-length
-    sources, ids outside the source vocabulary, `num_beams` / `num_return_sequences` below 1 -- instead of a
-    reshape `RuntimeError`, a `ZeroDivisionError`, a bare `IndexError` or (InDIGO) silently greedy decoding."""
+    sources, ids outside the source vocabulary, a `decoder_start_token_id` outside the target vocabulary,
+    `num_beams` / `num_return_sequences` below 1 -- instead of a reshape `RuntimeError`, a `ZeroDivisionError`, a
+    bare `IndexError` (BART's too) or (InDIGO) silently greedy decoding."""
     kwargs = kwargs or {}
     resolved = generation_config if generation_config is not None else model.generation_config
     for name in ("num_beams", "num_return_sequences"):
@@ -30,6 +31,8 @@ def check_generate_arguments(model, input_ids, generation_config=None, kwargs: d
         value = getattr(resolved, name, None) if value is None else value
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"generate(): {name} must be an integer >= 1, got {value!r}")
+    check_decoder_start_token_id(model, kwargs.get("decoder_start_token_id",
+                                                   getattr(resolved, "decoder_start_token_id", None)))
     if input_ids is None:
         encoder_outputs = kwargs.get("encoder_outputs")
         states = getattr(encoder_outputs, "last_hidden_state", None)
@@ -55,6 +58,24 @@ def check_generate_arguments(model, input_ids, generation_config=None, kwargs: d
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise ValueError(f"generate(): input_ids holds the id {bad}, outside the source vocabulary [0, {vocab_size})")
+
+
+def check_decoder_start_token_id(model, value) -> None:
+    """A `ValueError` naming `decoder_start_token_id` (an id, a list of ids or a tensor of them, one per source) and
+    the target vocabulary when it is not a token id of the decoder's vocabulary."""
+    if value is None:
+        return
+    if isinstance(value, torch.Tensor):
+        ids = value.flatten().tolist()
+    else:
+        ids = list(value) if isinstance(value, (list, tuple)) else [value]
+    vocab_size = getattr(model.config, "decoder_vocab_size", model.config.vocab_size)
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise ValueError(f"generate(): decoder_start_token_id must be a token id (an integer), got {value!r}")
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"generate(): decoder_start_token_id {token} is outside the target vocabulary "
+                             f"[0, {vocab_size})")
 
 
 class FlexformerGenerationMixin(GenerationMixin):

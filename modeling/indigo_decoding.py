@@ -131,9 +131,9 @@ class InsertionDecoding:
         return gaps, reading
 
     def _prepare_generation(self, input_ids, attention_mask, generation_config, kwargs):
-        for key in ("labels", "insertion_labels", "pointer_labels", "relative_positions", "decoder_input_ids",
-                    "decoder_attention_mask", "target_ids", "target_lengths", "synced_gpus", "streamer",
-                    "num_items_in_batch"):
+        for key in ("labels", "insertion_targets", "pointer_targets", "insertion_labels", "pointer_labels",
+                    "relative_positions", "decoder_input_ids", "decoder_attention_mask", "target_ids", "target_lengths",
+                    "synced_gpus", "streamer", "num_items_in_batch"):
             kwargs.pop(key, None)
         encoder_outputs = kwargs.pop("encoder_outputs", None)
         inputs_embeds = kwargs.pop("inputs_embeds", None)
@@ -176,6 +176,14 @@ class InsertionDecoding:
         ``return_insertion_trace=True`` the output is always the dataclass with ``insertion_trace`` filled in.
         """
         check_generate_arguments(self, input_ids, generation_config, kwargs)
+        start = kwargs.get("decoder_start_token_id")
+        if start is not None and not (isinstance(start, int) and start == self.config.bos_token_id):
+            # insertion decoding reads <s> </s> first, whatever a left-to-right model would start from: never ignored
+            raise ValueError(
+                f"InDIGO generate(): decoder_start_token_id={start!r} cannot be used: insertion decoding always starts "
+                f"from <s> </s> (bos_token_id={self.config.bos_token_id}, eos_token_id={self.config.eos_token_id}); "
+                "leave it out"
+            )
         generation_config, encoder_outputs, attention_mask, inputs_embeds = self._prepare_generation(
             input_ids, attention_mask, generation_config, kwargs
         )

@@ -221,7 +221,7 @@ def test_a_few_steps_lower_the_loss_and_produce_a_loadable_model(tmp_path):
     whole = decode.run_from_argv(common)
     # the within-lengths pairs scored from the whole split's generations, as the zoo does, equal decoding them anew
     rescored = decode.score_within_training_lengths(tmp_path / "g.jsonl", out)
-    within = decode.run_from_argv([*common, "--within_training_lengths", "true"])
+    within = decode.run_from_argv([*common, "--within_training_lengths", "true", "--overwrite_output"])  # g.txt exists
     assert whole["beyond_training_lengths"] > 0 and within["beyond_training_lengths"] == 0
     assert within["num_examples"] == whole["num_examples"] - whole["beyond_training_lengths"]
     for key in ("num_examples", "metrics", "copy_baseline", "gain_over_copy", "sacrebleu_signature"):

@@ -230,6 +230,8 @@ def test_training_argv_resumes_and_initialises(tmp_path):
         checkpoint.mkdir(parents=True)
         (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 2, "max_steps": 3}))
         save_file({"weight": torch.zeros(1)}, str(checkpoint / "model.safetensors"))
+        for state in ("optimizer.pt", "scheduler.pt"):  # a complete checkpoint resumes exactly
+            torch.save({}, checkpoint / state)
     for recipe in (mat, sao):
         resumed = zoo.training_argv(recipe, runs / recipe.name, runs)
         assert resumed[resumed.index("--model_name_or_path") + 1] == str(runs / recipe.name / "checkpoint-2")

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 DATA_ARGS_FILE = "flexformers_data_args.json"
+#: The data files whose SHA-256 is saved with a run (under this key of ``DATA_ARGS_FILE``).
+DATA_FILE_FIELDS = ("train_file", "validation_file", "test_file")
+DATA_FILE_HASHES_KEY = "data_file_sha256"
 
 
 @dataclass
@@ -34,6 +38,11 @@ class ModelArguments:
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "Initialise from this trained model directory instead of from scratch."}
     )
+    allow_missing_weights: bool = field(
+        default=False,
+        metadata={"help": "With --model_name_or_path: initialise even when weights are missing from it (they start "
+                          "from their random initialisation) or unused; by default such a checkpoint is refused."},
+    )
     tokenizer_name_or_path: str | None = field(
         default=None, metadata={"help": "Use the tokenizer saved in this directory instead of training a BPE."}
     )
@@ -45,6 +54,14 @@ class ModelArguments:
     bpe_min_frequency: int = field(default=2, metadata={"help": "Minimum pair frequency for a BPE merge."})
     max_train_minutes: float | None = field(
         default=None, metadata={"help": "Stop training (and save) after this many minutes of wall time."}
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start a new run in an --output_dir that holds another run's files (checkpoints, model, "
+            "tokenizer): they are moved aside into <output_dir>/_replaced-<time>/, not deleted. Without it such a "
+            "folder is refused (continue the run there with --resume_from_checkpoint latest)."
+        },
     )
     permutation_of_source: bool | None = field(
         default=None,
@@ -60,6 +77,13 @@ class ModelArguments:
             "size on 2 cores, a few %% more resident memory). Changes the whole process's allocator."
         },
     )
+
+    def __post_init__(self):
+        import math
+
+        minutes = self.max_train_minutes
+        if minutes is not None and not (math.isfinite(minutes) and minutes > 0):
+            raise ValueError(f"--max_train_minutes must be a positive number of minutes, got {minutes:g}")
 
 
 @dataclass
@@ -118,18 +142,58 @@ class DataArguments:
         """Whether the targets are Python code (PoV is reported)."""
         return self.task == "codegen"
 
+    def with_absolute_paths(self) -> "DataArguments":
+        """A copy whose file and directory paths are absolute (resolved against the current directory), so that
+        the saved arguments name the same data wherever ``flexformers-decode`` runs later. A Hub dataset name is
+        made absolute only when it is an existing local path."""
+        changes = {name: os.path.abspath(getattr(self, name))
+                   for name in (*DATA_FILE_FIELDS, "locale_dir") if getattr(self, name)}
+        if self.python_source_dirs:
+            changes["python_source_dirs"] = [os.path.abspath(d) for d in self.python_source_dirs]
+        if self.dataset_name and os.path.exists(self.dataset_name):
+            changes["dataset_name"] = os.path.abspath(self.dataset_name)
+        copy = replace(self, **changes)
+        copy.saved_file_hashes = getattr(self, "saved_file_hashes", {})
+        return copy
+
+    def data_file_hashes(self) -> dict[str, str | None]:
+        """SHA-256 of each data file (``train_file`` / ``validation_file`` / ``test_file``; ``None`` where unset or
+        unreadable), computed once per instance: checkpoints saved later record the files training read at the
+        start, even if they are edited meanwhile."""
+        if getattr(self, "_file_hashes", None) is None:
+            self._file_hashes = {name: file_sha256(getattr(self, name)) for name in DATA_FILE_FIELDS}
+        return self._file_hashes
+
     def save(self, directory: str | os.PathLike) -> None:
+        """Write ``flexformers_data_args.json`` into ``directory``: the arguments with absolute paths, and the
+        SHA-256 of each data file (``data_file_sha256``), which decoding and resuming compare with the files then."""
         Path(directory).mkdir(parents=True, exist_ok=True)
-        (Path(directory) / DATA_ARGS_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        stored = dict(asdict(self.with_absolute_paths()), **{DATA_FILE_HASHES_KEY: self.data_file_hashes()})
+        (Path(directory) / DATA_ARGS_FILE).write_text(json.dumps(stored, indent=2) + "\n")
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> "DataArguments | None":
+        """The arguments saved in ``directory`` (``None`` without the file); the saved data-file hashes (none in
+        files written before they were recorded) are kept as ``saved_file_hashes``."""
         path = Path(directory) / DATA_ARGS_FILE
         if not path.is_file():
             return None
         stored = json.loads(path.read_text())
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in stored.items() if k in known})
+        loaded = cls(**{k: v for k, v in stored.items() if k in known})
+        loaded.saved_file_hashes = {name: digest for name, digest in (stored.get(DATA_FILE_HASHES_KEY) or {}).items()
+                                    if name in DATA_FILE_FIELDS}
+        return loaded
+
+    def changed_data_files(self) -> dict[str, str]:
+        """``{field: path}`` of the data files whose content differs from the hash saved with the run (files that
+        are gone are left to the corpus loader, which names them)."""
+        changed = {}
+        for name, saved in getattr(self, "saved_file_hashes", {}).items():
+            path = getattr(self, name, None)
+            if saved and path and os.path.isfile(path) and file_sha256(path) != saved:
+                changed[name] = path
+        return changed
 
 
 def split_top_level(text: str, separator: str = ",") -> list[str]:
@@ -195,6 +259,37 @@ def check_config_override_names(config_class: type, overrides: dict) -> None:
         close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else f" (see {config_class.__name__}'s fields)"
         raise ValueError(f"--config_overrides: {key!r} is not a field of {config_class.__name__}{hint}")
+
+
+def file_sha256(path: str | os.PathLike | None) -> str | None:
+    """SHA-256 (hex) of a file's bytes, read in blocks; ``None`` for no path or a path that is not a readable file."""
+    if not path or not os.path.isfile(path):
+        return None
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+def train_file_change(saved: DataArguments | None, current: DataArguments) -> str | None:
+    """One line naming how ``current``'s ``--train_file`` differs from the one ``saved`` (a checkpoint's data
+    arguments) was trained on -- another path, or the same path with other content -- else ``None``."""
+    if saved is None or not (saved.train_file or current.train_file):
+        return None
+    before = os.path.abspath(saved.train_file) if saved.train_file else None
+    now = os.path.abspath(current.train_file) if current.train_file else None
+    if before != now:
+        return (f"resuming with --train_file {now}, but the checkpoint was trained on --train_file {before}: "
+                "training continues on other data")
+    saved_hash = getattr(saved, "saved_file_hashes", {}).get("train_file")
+    if saved_hash and current.data_file_hashes()["train_file"] not in (None, saved_hash):
+        return (f"resuming with --train_file {now}, which has changed since the checkpoint was saved (its SHA-256 "
+                "differs): training continues on other data")
+    return None
 
 
 def describe_dataset(data_args: DataArguments) -> str:

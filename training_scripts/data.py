@@ -501,11 +501,21 @@ def read_parallel_file(
     ``report``.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path}: is a directory, not a data file")
     if not path.is_file():
-        raise ValueError(f"{path}: file not found")
+        # a FIFO would block the read forever; a dangling link or a missing file has nothing to read
+        kind = "not a regular file" if path.exists() else "file not found"
+        raise ValueError(f"{path}: {kind}")
+    if source_column == target_column:
+        raise ValueError(f"--source_column and --target_column are both {source_column!r}: the model would learn to "
+                         "copy its input")
     fmt = _file_format(path, file_format)
     report = report if report is not None else SkipReport()
-    raw = path.read_bytes()
+    try:
+        raw = path.read_bytes()
+    except OSError as error:
+        raise ValueError(f"{path}: cannot be read ({error.strerror or error})") from error
     if not raw.strip():
         raise ValueError(f"{path}: file is empty")
     rows: list[dict] = []
@@ -567,6 +577,10 @@ def read_parallel_file(
             if error is not None:
                 raise ValueError(f"{path}, line {header_number}: malformed CSV header ({error})")
             missing = [c for c in (source_column, target_column) if c not in header]
+            repeated = [c for c in (source_column, target_column) if header.count(c) > 1]
+            if repeated:
+                # which of the two columns is meant cannot be told: taking the first could train on the wrong text
+                raise ValueError(f"{path}, line {header_number}: the header names column {repeated[0]!r} twice")
             if missing:
                 raise ValueError(
                     f"{path}, line {header_number}: header has no column(s) {missing}; found {header} "

@@ -19,7 +19,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 from transformers import HfArgumentParser
 
-from flexformers.training_scripts.arguments import DATA_ARGS_FILE, DataArguments, describe_dataset
+from flexformers.training_scripts.arguments import DATA_ARGS_FILE, DATA_FILE_FIELDS, DataArguments, describe_dataset
 from flexformers.training_scripts.checkpoints import weights_problem
 from flexformers.training_scripts.data import SPLITS, escape_line, load_corpus
 from flexformers.training_scripts.metrics_utils import compute_generation_metrics, copy_baseline_metrics, gain_over_copy
@@ -58,10 +60,20 @@ class DecodeArguments:
     )
     stdin: bool = field(default=False, metadata={"help": "Translate lines read from standard input (no metrics)."})
     output_file: str | None = field(
-        default=None, metadata={"help": "Hypotheses file, one per line, newlines escaped as \\n (default: in the model dir)."}
+        default=None, metadata={"help": "Hypotheses file, one per line, newlines escaped as \\n (default: in the model "
+                                        "dir); the sources, references and hypotheses go to the .jsonl beside it."}
+    )
+    overwrite_output: bool = field(
+        default=False,
+        metadata={"help": "Replace an existing --output_file (and the .jsonl beside it); never a data file."},
     )
     num_samples_to_print: int = field(default=3, metadata={"help": "Show this many hypotheses next to references."})
     bf16: bool = field(default=False, metadata={"help": "Cast the weights to bfloat16 (faster on CPUs with AMX)."})
+    allow_missing_weights: bool = field(
+        default=False,
+        metadata={"help": "Decode even when weights are missing from the checkpoint (left randomly initialised) or "
+                          "unused by the model; by default such a checkpoint is refused."},
+    )
     device: str | None = field(default=None, metadata={"help": "cpu, cuda, cuda:1 ... (default: cuda if available)."})
     within_training_lengths: bool = field(
         default=False,
@@ -98,11 +110,16 @@ def resolve_device(requested: str | None) -> str:
     return requested or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load_model(model_dir: str | Path, device: str | torch.device = "cpu", bf16: bool = False):
+def load_model(model_dir: str | Path, device: str | torch.device = "cpu", bf16: bool = False,
+               allow_missing_weights: bool = False):
     """(model, source tokenizer, target tokenizer) from a directory written by ``flexformers-train``.
 
     A damaged directory -- ``config.json`` that is not JSON or names no model type, truncated or zero-filled
-    weights, an unreadable tokenizer -- is a ``ValueError`` naming the file, not a library traceback."""
+    weights, weights missing from (or foreign to) the model unless ``allow_missing_weights``, a separate-vocabulary
+    model without its source tokenizer, an unreadable tokenizer -- is a ``ValueError`` naming the file, not a
+    library traceback nor a silently random weight."""
+    from flexformers.training_scripts.model_loading import WeightsNotLoadedError, load_pretrained_checked
+
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
     if not config_path.is_file():
@@ -129,7 +146,10 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", bf16: 
         raise ValueError(f"{problem}; the checkpoint cannot be loaded")
     spec = get_method_spec(model_type)
     try:
-        model = spec.model_class.from_pretrained(str(model_dir))
+        model = load_pretrained_checked(spec.model_class, model_dir, allow_missing_weights=allow_missing_weights,
+                                        allow_hint="pass --allow_missing_weights to decode with them anyway")
+    except WeightsNotLoadedError:
+        raise
     except (OSError, RuntimeError, ValueError, TypeError) as error:
         raise ValueError(f"{model_dir}: the model cannot be loaded ({type(error).__name__}: {error})") from error
     model.to(device)
@@ -143,6 +163,29 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", bf16: 
             raise
         raise ValueError(f"{model_dir}: the tokenizer cannot be loaded ({error})") from error
     return model, source_tokenizer, target_tokenizer
+
+
+def load_method_model(model_dir: str | Path, model_class: type, tool: str, method: str,
+                      device: str | torch.device = "cpu", bf16: bool = False):
+    """:func:`load_model` for a method's own tool (``flexformers-iot-orders`` ...): a checkpoint whose model is not
+    a ``model_class`` is a one-line ``ValueError`` ("flexformers-iot-orders needs an IOT model; runs/x holds a
+    'mat' model"), not a traceback from deep inside the tool. ``method`` names the model for people ("an IOT")."""
+    model, source_tokenizer, target_tokenizer = load_model(model_dir, device, bf16)
+    if not isinstance(model, model_class):
+        raise ValueError(f"{tool} needs {method} model; {model_dir} holds a {model.config.model_type!r} model")
+    return model, source_tokenizer, target_tokenizer
+
+
+def run_tool(tool: str, command, argv: list[str] | None = None) -> int:
+    """A method tool's console entry point: ``command(argv)``, then 0; bad input (another type's model, an invalid
+    option, a damaged checkpoint) prints one line ``<tool>: error: ...`` on stderr, without a traceback, and
+    returns 1."""
+    try:
+        command(argv)
+    except ValueError as error:
+        print(f"{tool}: error: {error}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def fits_training_lengths(split, source_tokenizer, target_tokenizer, data_args: DataArguments) -> list[bool]:
@@ -295,14 +338,94 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[DecodeArguments, Dat
         return decode_args, parsed_data_args
     explicit = _explicit_data_args(argv)
     merged = {f.name: getattr(parsed_data_args if f.name in explicit else saved, f.name) for f in fields(DataArguments)}
-    return decode_args, DataArguments(**merged)
+    data_args = DataArguments(**merged)
+    # a file named on this command line is the user's choice now; one taken from the run is checked against its hash
+    data_args.saved_file_hashes = {name: digest for name, digest in saved.saved_file_hashes.items()
+                                   if name not in explicit}
+    return decode_args, data_args
+
+
+def _directory_write_problem(directory: Path) -> str | None:
+    """Why no file can be written into ``directory`` (or, while it does not exist, into the nearest existing folder
+    above it, where it would be created), or ``None``. A file is really created (and removed at once): permission
+    bits say nothing of a read-only mount, nor to root."""
+    directory = directory.absolute()
+    while not os.path.lexists(directory) and directory.parent != directory:
+        directory = directory.parent
+    if not directory.is_dir():
+        return f"{directory} is not a directory"
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as error:
+        return error.strerror or str(error)
+    return None
+
+
+def check_output_files(decode_args: DecodeArguments, data_args: DataArguments, output_file: Path) -> None:
+    """Refuse, before any decoding, to write where decode must not: over a data file of the run (never, even with
+    ``--overwrite_output``), over an existing ``--output_file`` or the ``.jsonl`` beside it (without
+    ``--overwrite_output``; the default ``generations.<split>.txt`` is decode's own and is replaced), into a folder
+    that cannot be written (the hypotheses' or, with ``--write_eval_results``, the model's)."""
+    if output_file.suffix == ".jsonl":
+        raise ValueError(f"--output_file {output_file}: the hypotheses file cannot end in .jsonl (the sources, "
+                         "references and hypotheses go to the .jsonl beside it); give e.g. "
+                         f"{output_file.with_suffix('.txt')}")
+    data_files = {os.path.realpath(getattr(data_args, name)): name
+                  for name in DATA_FILE_FIELDS if getattr(data_args, name)}
+    for path in (output_file, output_file.with_suffix(".jsonl")):
+        if path.is_dir():
+            raise ValueError(f"--output_file: {path} is a directory; give a file name")
+        if os.path.realpath(path) in data_files:
+            raise ValueError(f"decoding would write {path}, which is the training run's "
+                             f"--{data_files[os.path.realpath(path)]}; choose another --output_file")
+        if decode_args.output_file is not None and not decode_args.overwrite_output and os.path.lexists(path):
+            raise ValueError(f"{path} exists and was not written by this decoding; pass --overwrite_output to replace "
+                             "it, or choose another --output_file")
+    model_dir = Path(decode_args.model_name_or_path)
+    writes = {output_file.parent: ["the hypotheses"]}
+    if decode_args.write_eval_results:
+        writes.setdefault(model_dir, []).append(EVAL_RESULTS_FILE)
+    for directory, what in writes.items():
+        problem = _directory_write_problem(directory)
+        if problem is not None:
+            hint = "pass --write_eval_results false" if EVAL_RESULTS_FILE in what else "choose another --output_file"
+            raise ValueError(f"{directory} cannot be written ({problem}): decoding writes {' and '.join(what)} there; "
+                             f"{hint}")
+
+
+def warn_about_changed_data_files(data_args: DataArguments) -> dict[str, str]:
+    """``{field: path}`` of the run's data files whose content changed since training, logged as one warning (the
+    scores are on the files as they are now). A run saved before paths were stored absolute has relative paths,
+    read from the current directory: that is said too."""
+    relative = [f"--{name} {getattr(data_args, name)}" for name in DATA_FILE_FIELDS
+                if getattr(data_args, name) and not os.path.isabs(getattr(data_args, name))]
+    if relative and not getattr(data_args, "saved_file_hashes", {}):
+        logger.warning("%s holds relative paths (%s), read from the current directory %s", DATA_ARGS_FILE,
+                       ", ".join(relative), os.getcwd())
+    for name in getattr(data_args, "saved_file_hashes", {}):
+        path = getattr(data_args, name)
+        if path and not os.path.lexists(path):
+            raise ValueError(f"the training run's --{name} {path} is gone; pass --train_file / --validation_file / "
+                             "--test_file to score other files")
+    changed = data_args.changed_data_files()
+    if changed:
+        logger.warning("data file(s) changed since training (SHA-256 differs from the one saved with the run): %s; "
+                       "the scores are on the files as they are now",
+                       ", ".join(f"--{name} {path}" for name, path in changed.items()))
+    return changed
 
 
 def run(decode_args: DecodeArguments, data_args: DataArguments) -> dict:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     torch.manual_seed(decode_args.seed)
     device = resolve_device(decode_args.device)
-    model, source_tokenizer, target_tokenizer = load_model(decode_args.model_name_or_path, device, decode_args.bf16)
+    model_dir = Path(decode_args.model_name_or_path)
+    output_file = Path(decode_args.output_file or model_dir / f"generations.{decode_args.split}.txt")
+    if not (decode_args.text or decode_args.stdin):
+        check_output_files(decode_args, data_args, output_file)
+    model, source_tokenizer, target_tokenizer = load_model(decode_args.model_name_or_path, device, decode_args.bf16,
+                                                           decode_args.allow_missing_weights)
     max_new_tokens = decode_args.max_new_tokens or data_args.max_target_length
     permutation = uses_permutation_of_source(decode_args.permutation_of_source, data_args.task, model.config.model_type)
     generation = dict(num_beams=decode_args.num_beams, length_penalty=decode_args.length_penalty,
@@ -322,30 +445,41 @@ def run(decode_args: DecodeArguments, data_args: DataArguments) -> dict:
             print(f"SOURCE: {source}\nOUTPUT: {hypothesis}\n")
         return {"hypotheses": hypotheses, "throughput": stats, "skipped_lines": skipped_lines}
 
+    data_files_changed = warn_about_changed_data_files(data_args)
+    if (decode_args.split == "test" and data_args.task == "files" and data_args.validation_file
+            and not data_args.test_file):
+        logger.warning("no --test_file: the test split is --validation_file %s (which also picked the best checkpoint)",
+                       data_args.validation_file)
     corpus = load_corpus(data_args)
     split = corpus[decode_args.split]
+    indices = list(range(len(split)))  # each decoded pair's place in the split, written beside it
     if decode_args.within_training_lengths:
         fits = fits_training_lengths(split, source_tokenizer, target_tokenizer, data_args)
-        split = split.select([index for index, keep in enumerate(fits) if keep])
+        indices = [index for index, keep in enumerate(fits) if keep]
+        split = split.select(indices)
     if decode_args.max_samples is not None:
         split = split.select(range(min(decode_args.max_samples, len(split))))
+        indices = indices[:len(split)]
     if len(split) == 0:
         raise ValueError(f"split {decode_args.split!r} of {describe_dataset(data_args)} is empty")
     sources, references = list(split["source"]), list(split["target"])
     hypotheses, stats = generate_texts(model, source_tokenizer, target_tokenizer, sources, **generation)
     scores = score_hypotheses(sources, references, hypotheses, is_code=data_args.is_code)
 
-    model_dir = Path(decode_args.model_name_or_path)
-    output_file = Path(decode_args.output_file or model_dir / f"generations.{decode_args.split}.txt")
+    output_file.parent.mkdir(parents=True, exist_ok=True)
     output_file.write_text("".join(escape_line(h) + "\n" for h in hypotheses), encoding="utf-8")
     with open(output_file.with_suffix(".jsonl"), "w", encoding="utf-8") as handle:
-        for source, reference, hypothesis in zip(sources, references, hypotheses):
-            handle.write(json.dumps({"source": source, "reference": reference, "hypothesis": hypothesis}, ensure_ascii=False) + "\n")
+        for index, origin, source, reference, hypothesis in zip(indices, split["origin"], sources, references,
+                                                                 hypotheses):
+            row = {"index": index, "origin": origin, "source": source, "reference": reference, "hypothesis": hypothesis}
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
 
     results = {
         "task": data_args.task,
         "dataset": describe_dataset(data_args),
         "split": decode_args.split,
+        # the run's data files whose content differs from the one it was trained with (these scores are on them now)
+        "data_files_changed": data_files_changed,
         "num_examples": scores["num_examples"],
         "within_training_lengths": decode_args.within_training_lengths,
         # pairs the model never trained on (training drops them): a score on the whole split counts them too

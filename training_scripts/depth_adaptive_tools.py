@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ import torch
 from flexformers.modeling.depth_adaptive_flops import DecoderFlopsShape, average_flops_per_token
 
 logger = logging.getLogger("flexformers.depth_adaptive")
+TOOL = "flexformers-depth-adaptive"
 EVAL_RESULTS_FILE = "eval_results.json"
 
 
@@ -296,12 +298,12 @@ def _common_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args):
-    from flexformers.training_scripts.decode import load_model, resolve_device
+    from flexformers.modeling.modeling_depth_adaptive import DepthAdaptiveForConditionalGeneration
+    from flexformers.training_scripts.decode import load_method_model, resolve_device
 
-    model, source_tokenizer, target_tokenizer = load_model(args.model_name_or_path, resolve_device(args.device),
-                                                           args.bf16)
-    if model.config.model_type != "depth_adaptive":
-        raise ValueError(f"{args.model_name_or_path} is a {model.config.model_type!r} model, not depth_adaptive")
+    model, source_tokenizer, target_tokenizer = load_method_model(
+        args.model_name_or_path, DepthAdaptiveForConditionalGeneration, TOOL, "a Depth-Adaptive",
+        resolve_device(args.device), args.bf16)
     sources, references, data_args = load_split(args.model_name_or_path, args.split, args.max_samples, {})
     max_new_tokens = args.max_new_tokens or data_args.max_target_length
     return model, source_tokenizer, target_tokenizer, sources, references, data_args, max_new_tokens
@@ -433,7 +435,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None):
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point: 0 on success; bad input (e.g. another type's model) prints one line, returns 1."""
+    from flexformers.training_scripts.decode import run_tool
+
+    return run_tool(TOOL, run_from_argv, argv)
+
+
+def run_from_argv(argv: list[str] | None = None):
+    """Parse ``argv`` (default: ``sys.argv[1:]``) and run the command; returns its report."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     args = build_parser().parse_args(argv)
     torch.manual_seed(args.seed)
@@ -445,4 +455,4 @@ def main(argv: list[str] | None = None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -102,8 +103,15 @@ def trace_to_json(result, row: int, token_text: Callable[[int], str]) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Decode sources with an InDIGO checkpoint and print/draw their insertion traces."""
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point: 0 on success; bad input (e.g. another type's model) prints one line, returns 1."""
+    from flexformers.training_scripts.decode import run_tool
+
+    return run_tool("flexformers-indigo-trace", run_from_argv, argv)
+
+
+def run_from_argv(argv: list[str] | None = None) -> list[dict]:
+    """Decode sources with an InDIGO checkpoint and print/draw their insertion traces; returns the traces."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model_dir", required=True, help="an InDIGO directory written by flexformers-train")
     parser.add_argument("--source", action="append", default=[], help="a source sentence (repeatable)")
@@ -115,11 +123,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--color", action="store_true", help="ANSI red/underline instead of [brackets]")
     args = parser.parse_args(argv)
 
-    from flexformers.training_scripts.decode import load_model
+    from flexformers.modeling.modeling_indigo import InDIGOForConditionalGeneration
+    from flexformers.training_scripts.decode import load_method_model
 
-    model, source_tokenizer, target_tokenizer = load_model(args.model_dir)
-    if model.config.model_type != "indigo":
-        raise ValueError(f"--model_dir {args.model_dir} holds a {model.config.model_type!r} model, not indigo")
+    model, source_tokenizer, target_tokenizer = load_method_model(
+        args.model_dir, InDIGOForConditionalGeneration, "flexformers-indigo-trace", "an InDIGO")
     sources = list(args.source)
     if args.input_file:
         sources += [line.strip() for line in Path(args.input_file).read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -149,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
         traces.append(dict(trace_to_json(result, row, token_text), source=source))
     if args.json:
         Path(args.json).write_text(json.dumps(traces, indent=1, ensure_ascii=False), encoding="utf-8")
+    return traces
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,10 +22,11 @@ from transformers import HfArgumentParser
 
 from flexformers.training_scripts.arguments import DataArguments, describe_dataset
 from flexformers.training_scripts.data import SPLITS, load_corpus
-from flexformers.training_scripts.decode import generate_texts, load_model, resolve_device
+from flexformers.training_scripts.decode import generate_texts, load_method_model, resolve_device, run_tool
 from flexformers.training_scripts.metrics_utils import compute_generation_metrics
 
 logger = logging.getLogger("flexformers.iot_orders")
+TOOL = "flexformers-iot-orders"
 
 
 @dataclass
@@ -179,12 +181,16 @@ def run(args: OrderAnalysisArguments, predicted_hypotheses: list[str] | None = N
     decoded from this split with ``args``' generation settings)."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     device = resolve_device(args.device)
-    model, source_tokenizer, target_tokenizer = load_model(args.model_name_or_path, device)
-    if getattr(model.config, "model_type", None) != "iot":
-        raise ValueError(f"{args.model_name_or_path} is a {model.config.model_type!r} model; this tool needs an iot model")
+    from flexformers.modeling.modeling_iot import IOTForConditionalGeneration
+
+    model, source_tokenizer, target_tokenizer = load_method_model(
+        args.model_name_or_path, IOTForConditionalGeneration, TOOL, "an IOT", device)
     if model.config.num_decoder_orders < 2:
         raise ValueError(f"{args.model_name_or_path} has a single decoder order; there is nothing to compare")
     data_args = DataArguments.load(args.model_name_or_path)
+    if data_args is None:
+        raise ValueError(f"{args.model_name_or_path} has no saved corpus arguments (was it written by "
+                         "flexformers-train?)")
     split = load_corpus(data_args)[args.split]
     if args.max_samples is not None:
         split = split.select(range(min(args.max_samples, len(split))))
@@ -206,11 +212,17 @@ def run(args: OrderAnalysisArguments, predicted_hypotheses: list[str] | None = N
     return table
 
 
-def main(argv: list[str] | None = None) -> None:
+def run_from_argv(argv: list[str] | None = None) -> dict:
+    """Parse ``argv`` (default: ``sys.argv[1:]``) and run; returns the table."""
     parser = HfArgumentParser(OrderAnalysisArguments, description=__doc__.split("\n\n")[0])
     (args,) = parser.parse_args_into_dataclasses(args=argv)
-    run(args)
+    return run(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point: 0 on success; bad input (e.g. another type's model) prints one line, returns 1."""
+    return run_tool(TOOL, run_from_argv, argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

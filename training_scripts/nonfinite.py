@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from flexformers.training_scripts.checkpoints import find_latest_complete_checkpoint
+from flexformers.training_scripts.checkpoints import last_good_checkpoint_note
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -33,13 +33,6 @@ def loss_terms(outputs) -> dict[str, float]:
     }
 
 
-def _last_good_checkpoint(output_dir: str) -> str:
-    checkpoint, _ = find_latest_complete_checkpoint(output_dir)
-    if checkpoint is None:
-        return "no checkpoint had been written yet"
-    return f"the last good checkpoint is {checkpoint} (--resume_from_checkpoint latest continues from it)"
-
-
 def non_finite_error(step: int, what: str, output_dir: str, terms: dict[str, float] | None = None) -> NonFiniteTrainingError:
     """The error raised at optimisation step ``step`` (1-based, the update that was about to happen)."""
     message = f"step {step}: {what}"
@@ -49,7 +42,7 @@ def non_finite_error(step: int, what: str, output_dir: str, terms: dict[str, flo
         culprits = [name for name in bad if name != "loss"]
         message += f" ({shown}" + (f"; non-finite term: {', '.join(culprits)}" if culprits else "") + ")"
     message += (
-        f". Training stopped before this update reached the weights; {_last_good_checkpoint(output_dir)}. "
+        f". Training stopped before this update reached the weights; {last_good_checkpoint_note(output_dir)}. "
         "Lower --learning_rate, clip gradients (--max_grad_norm 1.0) or check the config's coefficients."
     )
     return NonFiniteTrainingError(message)

@@ -14,6 +14,7 @@ be overridden on the command line. Multi-process: ``torchrun --nproc_per_node=N 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import logging
@@ -33,8 +34,19 @@ from flexformers.training_scripts.arguments import (
     check_config_override_names,
     describe_dataset,
     parse_config_overrides,
+    train_file_change,
 )
-from flexformers.training_scripts.checkpoints import resolve_resume_checkpoint, with_atomic_checkpoints
+from flexformers.training_scripts.checkpoints import (
+    claim_output_dir,
+    claim_output_dir_for_evaluation,
+    describe_write_error,
+    lock_output_dir,
+    resolve_resume_checkpoint,
+    resumed_config_problem,
+    unlock_output_dir,
+    with_atomic_checkpoints,
+    write_run_record,
+)
 from flexformers.training_scripts.cpu_heap import retain_freed_memory
 from flexformers.training_scripts.data import load_corpus
 from flexformers.training_scripts.generation_defaults import with_generation_defaults_free_saves
@@ -281,11 +293,16 @@ def build_config(spec: MethodSpec, model_args: ModelArguments, source_tokenizer,
 
 
 def tokenize_corpus(corpus, source_tokenizer, target_tokenizer, data_args: DataArguments, filter_long: bool = True):
-    """input_ids / attention_mask / labels / length for every split; pairs longer than the caps are dropped."""
+    """input_ids / attention_mask / labels / length for every split. Training and validation pairs longer than the
+    caps (``--max_source_length`` / ``--max_target_length`` tokens) are dropped; test pairs never are (one prediction
+    per test pair, in the test file's order): over-long ones are cut to the caps, with a warning saying how many
+    (``--do_predict`` scores the hypotheses against the whole references)."""
 
-    def encode(batch):
-        sources = source_tokenizer(batch["source"], add_special_tokens=True)["input_ids"]
-        targets = target_tokenizer(batch["target"], add_special_tokens=True)["input_ids"]
+    def encode(batch, cut=False):
+        source_cut = dict(truncation=True, max_length=data_args.max_source_length) if cut else {}
+        target_cut = dict(truncation=True, max_length=data_args.max_target_length) if cut else {}
+        sources = source_tokenizer(batch["source"], add_special_tokens=True, **source_cut)["input_ids"]
+        targets = target_tokenizer(batch["target"], add_special_tokens=True, **target_cut)["input_ids"]
         return {
             "input_ids": sources,
             "attention_mask": [[1] * len(ids) for ids in sources],
@@ -299,6 +316,8 @@ def tokenize_corpus(corpus, source_tokenizer, target_tokenizer, data_args: DataA
         desc="Tokenizing",
     )
     if filter_long:
+        test = tokenized["test"]
+        tokenized = type(tokenized)({split: ds for split, ds in tokenized.items() if split != "test"})
         before = {split: len(ds) for split, ds in tokenized.items()}
         tokenized = tokenized.filter(
             lambda row: len(row["input_ids"]) <= data_args.max_source_length
@@ -310,7 +329,27 @@ def tokenize_corpus(corpus, source_tokenizer, target_tokenizer, data_args: DataA
         if any(dropped.values()):
             logger.info("Dropped pairs over %d source / %d target tokens: %s",
                         data_args.max_source_length, data_args.max_target_length, dropped)
+        long_sources = sum(len(ids) > data_args.max_source_length for ids in test["input_ids"])
+        long_references = sum(len(ids) > data_args.max_target_length for ids in test["labels"])
+        if long_sources:
+            logger.warning("%d of the %d test sources are longer than --max_source_length %d tokens: the model reads "
+                           "their first %d tokens (test pairs are kept, one prediction each)", long_sources,
+                           len(test), data_args.max_source_length, data_args.max_source_length)
+        if long_references:
+            logger.warning("%d of the %d test references are longer than --max_target_length %d tokens: they are "
+                           "scored whole; the test loss sees their first %d tokens", long_references, len(test),
+                           data_args.max_target_length, data_args.max_target_length)
+        if long_sources or long_references:
+            test = corpus["test"].map(encode, batched=True, fn_kwargs={"cut": True}, remove_columns=columns,
+                                      num_proc=data_args.preprocessing_num_workers, desc="Cutting long test pairs")
+        tokenized["test"] = test
     return tokenized
+
+
+def _padded(rows: list[list[int]], padding: int = -100) -> np.ndarray:
+    """Rows of token ids as one array, padded on the right with ``padding`` (as the Trainer pads labels)."""
+    width = max((len(row) for row in rows), default=0)
+    return np.array([list(row) + [padding] * (width - len(row)) for row in rows], dtype=np.int64)
 
 
 def _limit(dataset, count):
@@ -446,6 +485,51 @@ def find_resume_checkpoint(training_args) -> str | None:
     return resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
 
 
+def start_run_in_output_dir(model_args: ModelArguments, training_args) -> tuple[str | None, str | None]:
+    """(this run's id, the checkpoint to resume) -- (``None``, ...) when not training.
+
+    The first process locks ``--output_dir`` for the run's duration (a second training into it is refused; a folder
+    that cannot be written is named here, before any work); a training run then claims the folder
+    (:func:`~flexformers.training_scripts.checkpoints.claim_output_dir`: another run's files there need
+    ``--resume_from_checkpoint latest`` or ``--overwrite_output_dir``)."""
+    if training_args.process_index == 0:
+        lock_output_dir(training_args.output_dir)
+    try:
+        if not training_args.do_train:
+            if training_args.should_save:
+                claim_output_dir_for_evaluation(training_args.output_dir, model_args.model_name_or_path,
+                                                model_args.overwrite_output_dir)
+            return None, find_resume_checkpoint(training_args)
+        with training_args.main_process_first(desc="claiming the output folder"):
+            return claim_output_dir(
+                training_args.output_dir, training_args.resume_from_checkpoint,
+                overwrite=model_args.overwrite_output_dir, is_main=training_args.should_save,
+                save_only_model=training_args.save_only_model,
+            )
+    except BaseException:
+        unlock_output_dir(training_args.output_dir)
+        raise
+
+
+def check_config_fits_run(config, data_args: DataArguments, training_args, resume_checkpoint: str | None) -> None:
+    """Refuse (``ValueError``) a model whose position tables are shorter than the lengths it is trained and
+    evaluated on, or a resume whose checkpoint holds another model type or architecture than ``config``."""
+    target_length = max(data_args.max_target_length, training_args.generation_max_length or 0)
+    for side, length, flag in (("source", data_args.max_source_length, "--max_source_length"),
+                               ("target", target_length, "--max_target_length")):
+        positions = getattr(config, f"max_{side}_positions", None)
+        uses_positions = getattr(config, f"{'encoder' if side == 'source' else 'decoder'}_use_positions", True)
+        if positions is not None and uses_positions and length > positions:
+            raise ValueError(
+                f"{flag} {length} exceeds the model's max_{side}_positions {positions}: longer sequences would run "
+                f"past its position table; lower {flag} or raise max_{side}_positions with --config_overrides"
+            )
+    if resume_checkpoint is not None:
+        problem = resumed_config_problem(resume_checkpoint, config)
+        if problem is not None:
+            raise ValueError(problem)
+
+
 def training_trainer_class(trainer_class: type) -> type:
     """The method's trainer class as the script runs it: checkpoints written atomically and training stopped at
     the first non-finite loss or gradient norm, with generation configs saved free of the defaults evaluation fills in
@@ -469,20 +553,28 @@ def run(spec, model_args, data_args, training_args, method_args, extra_callbacks
         retain_freed_memory()
     if training_args.generation_max_length is None:
         training_args.generation_max_length = data_args.max_target_length
-    resume_checkpoint = find_resume_checkpoint(training_args)
+    run_id, resume_checkpoint = start_run_in_output_dir(model_args, training_args)
+    if resume_checkpoint is not None:
+        data_change = train_file_change(DataArguments.load(resume_checkpoint), data_args)
+        if data_change is not None:
+            logger.warning(data_change)
 
     with training_args.main_process_first(desc="building the corpus"):
         corpus = load_corpus(data_args)
     logger.info("Corpus %s: %s", describe_dataset(data_args), {k: len(v) for k, v in corpus.items()})
 
     with training_args.main_process_first(desc="tokenizer"):
-        source_tokenizer, target_tokenizer = resolve_tokenizers(model_args, corpus, training_args.output_dir, resume_checkpoint)
+        # The main process never takes output_dir's tokenizer (another run's, trained on other data: a resumed run
+        # takes its checkpoint's); the others load the one it has just saved there for this run.
+        source_tokenizer, target_tokenizer = resolve_tokenizers(
+            model_args, corpus, None if training_args.should_save else training_args.output_dir, resume_checkpoint)
         if training_args.should_save:
             save_tokenizers(training_args.output_dir, source_tokenizer, target_tokenizer)
             data_args.save(training_args.output_dir)
     logger.info("Vocabulary: %d source / %d target tokens", len(source_tokenizer), len(target_tokenizer))
 
     config = build_config(spec, model_args, source_tokenizer, target_tokenizer, method_args)
+    check_config_fits_run(config, data_args, training_args, resume_checkpoint)
     model = spec.make_model(model_args, method_args, config, target_tokenizer)
     logger.info("%s with %s parameters", type(model).__name__, f"{sum(p.numel() for p in model.parameters()):,}")
 
@@ -523,6 +615,10 @@ def run(spec, model_args, data_args, training_args, method_args, extra_callbacks
     trainer.checkpoint_file_writers = [
         SidecarFiles(data_args, source_tokenizer if source_tokenizer is not target_tokenizer else None)
     ]
+    if run_id:
+        trainer.run_id = run_id
+        trainer.checkpoint_file_writers.append(
+            functools.partial(write_run_record, run_id=run_id, save_only_model=training_args.save_only_model))
     if model_args.max_train_minutes and not training_args.disable_tqdm:
         from transformers.trainer_callback import ProgressCallback
 
@@ -550,8 +646,22 @@ def run(spec, model_args, data_args, training_args, method_args, extra_callbacks
             trainer.save_state()  # the final model's validation scores belong in the saved history (learning curves)
         results["eval"] = metrics
     if training_args.do_predict:
-        prediction = trainer.predict(test_dataset, metric_key_prefix="test")
+        # The labels of over-long test pairs are cut (tokenize_corpus): score against the whole references instead.
+        compute_metrics, trainer.compute_metrics = trainer.compute_metrics, None
+        try:
+            prediction = trainer.predict(test_dataset, metric_key_prefix="test")
+        finally:
+            trainer.compute_metrics = compute_metrics
+        test_pairs = corpus["test"].select(range(len(test_dataset)))
         metrics = dict(prediction.metrics, test_samples=len(test_dataset))
+        if compute_metrics is not None:
+            inputs = "inputs" in (training_args.include_for_metrics or [])
+            scores = compute_metrics(transformers.EvalPrediction(
+                predictions=prediction.predictions,
+                label_ids=_padded(target_tokenizer(list(test_pairs["target"]), add_special_tokens=True)["input_ids"]),
+                inputs=_padded(test_dataset["input_ids"]) if inputs else None,
+            ))
+            metrics.update({f"test_{name}": value for name, value in scores.items()})
         trainer.log_metrics("test", metrics)
         trainer.save_metrics("test", metrics)
         results["test"] = metrics
@@ -560,8 +670,12 @@ def run(spec, model_args, data_args, training_args, method_args, extra_callbacks
             texts = target_tokenizer.batch_decode(ids, skip_special_tokens=True)
             path = Path(training_args.output_dir) / "test_generations.jsonl"
             with open(path, "w", encoding="utf-8") as handle:
-                for text in texts:
-                    handle.write(json.dumps({"hypothesis": text}, ensure_ascii=False) + "\n")
+                # one line per test pair, in the test split's order: index and origin (file:line) line them up
+                for index, (pair, text) in enumerate(zip(test_pairs, texts)):
+                    row = {"index": index, "origin": pair["origin"], "source": pair["source"],
+                           "reference": pair["target"], "hypothesis": text}
+                    handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+    unlock_output_dir(training_args.output_dir)
     return results
 
 
@@ -573,10 +687,19 @@ def run_from_argv(argv: list[str] | None = None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: 0 on success; bad input or a diverged run prints one line naming the problem
     (no traceback) and returns 1."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         run_from_argv(argv)
     except (ValueError, NonFiniteTrainingError) as error:
         print(f"flexformers-train: error: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:
+        # disk full, read-only or forbidden while writing: one line; any other OSError keeps its traceback
+        output_dir = _flag_value(argv, "output_dir") or FAIRSEQ_TRAINING_DEFAULTS["output_dir"]
+        message = describe_write_error(error, output_dir)
+        if message is None:
+            raise
+        print(f"flexformers-train: error: {message}", file=sys.stderr)
         return 1
     return 0
 

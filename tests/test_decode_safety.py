@@ -1,0 +1,386 @@
+"""Nothing lost, nothing silently wrong around decoding, data files and the method tools (issue 60): decode scores
+the training run's own data files wherever it runs, ``--do_predict`` keeps one output per test pair, decode never
+overwrites a file it did not write, the method tools refuse another type's model in one line, data-file edge cases
+are named, and ``generate()`` names an out-of-vocabulary ``decoder_start_token_id``. Each test reproduces a probe
+that failed before the fix."""
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexformers.training_scripts import decode, depth_adaptive_tools, indigo_trace, iot_order_analysis, train
+from flexformers.training_scripts.arguments import DATA_ARGS_FILE, DataArguments
+from flexformers.training_scripts.data import read_parallel_file
+
+from .test_reliability import _tiny_models, model_dir  # noqa: F401 (a module-scoped fixture: an untrained baseline)
+from .test_training import tiny_argv
+
+
+@pytest.fixture(autouse=True)
+def _offline_private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("FLEXFORMERS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+
+
+def write_pairs(path: Path, pairs) -> Path:
+    path.write_text("source\ttarget\n" + "".join(f"{s}\t{t}\n" for s, t in pairs), encoding="utf-8")
+    return path
+
+
+TRAIN_PAIRS = [(f"open the file number {i}", f"read line {i * 7}") for i in range(12)]
+TEST_PAIRS = [(f"read line {i}", f"open the file {i}") for i in range(3)]
+OTHER_TEST_PAIRS = [(f"and read the file {i}", f"line number {i}") for i in range(5)]
+
+
+@pytest.fixture
+def run_elsewhere(model_dir, tmp_path, monkeypatch):  # noqa: F811
+    """(run, training_dir, elsewhere): a model whose data arguments were saved with the relative paths
+    ``train.tsv`` / ``test.tsv`` of ``training_dir``; the current directory is now ``elsewhere``, which holds
+    another ``test.tsv`` (5 pairs against the training run's 3)."""
+    run = tmp_path / "run"
+    shutil.copytree(model_dir, run)
+    training_dir, elsewhere = tmp_path / "training", tmp_path / "elsewhere"
+    training_dir.mkdir()
+    elsewhere.mkdir()
+    write_pairs(training_dir / "train.tsv", TRAIN_PAIRS)
+    write_pairs(training_dir / "test.tsv", TEST_PAIRS)
+    write_pairs(elsewhere / "train.tsv", TRAIN_PAIRS)
+    write_pairs(elsewhere / "test.tsv", OTHER_TEST_PAIRS)
+    monkeypatch.chdir(training_dir)
+    DataArguments(task="files", train_file="train.tsv", test_file="test.tsv", max_source_length=30,
+                  max_target_length=30).save(run)
+    monkeypatch.chdir(elsewhere)
+    return run, training_dir, elsewhere
+
+
+DECODE = ["--num_beams", "1", "--max_new_tokens", "2", "--num_samples_to_print", "0"]
+
+
+# ------------------------------------------------------------------------------ 1. the run's own data files
+def test_decode_scores_the_training_runs_test_file_wherever_it_runs(run_elsewhere):
+    run, training_dir, _ = run_elsewhere
+    saved = json.loads((run / DATA_ARGS_FILE).read_text())
+    assert saved["train_file"] == str(training_dir / "train.tsv")
+    assert saved["test_file"] == str(training_dir / "test.tsv")
+    expected = hashlib.sha256((training_dir / "test.tsv").read_bytes()).hexdigest()
+    assert saved["data_file_sha256"]["test_file"] == expected
+    assert saved["data_file_sha256"]["validation_file"] is None
+    results = decode.run_from_argv(["--model_name_or_path", str(run), *DECODE])
+    assert results["num_examples"] == len(TEST_PAIRS)  # the cwd's test.tsv has 5
+    rows = [json.loads(line) for line in (run / "generations.test.jsonl").read_text().splitlines()]
+    assert [(row["index"], row["origin"], row["source"]) for row in rows] == [
+        (index, f"test.tsv:{index + 2}", source) for index, (source, _) in enumerate(TEST_PAIRS)]
+    report = json.loads((run / "eval_results.json").read_text())
+    assert report["num_examples"] == len(TEST_PAIRS) and report["data_files_changed"] == {}
+
+
+def test_a_changed_data_file_is_named_in_one_warning_and_in_eval_results(run_elsewhere, caplog):
+    run, training_dir, _ = run_elsewhere
+    write_pairs(training_dir / "test.tsv", TEST_PAIRS[:2])
+    with caplog.at_level(logging.WARNING):
+        results = decode.run_from_argv(["--model_name_or_path", str(run), *DECODE])
+    assert results["num_examples"] == 2
+    changed = [r.getMessage() for r in caplog.records if "changed since training" in r.getMessage()]
+    assert len(changed) == 1 and str(training_dir / "test.tsv") in changed[0] and "\n" not in changed[0]
+    report = json.loads((run / "eval_results.json").read_text())
+    assert report["data_files_changed"] == {"test_file": str(training_dir / "test.tsv")}
+
+
+def test_an_explicit_test_file_is_read_from_the_current_directory(run_elsewhere, caplog):
+    run, _, _ = run_elsewhere
+    with caplog.at_level(logging.WARNING):
+        results = decode.run_from_argv(["--model_name_or_path", str(run), "--test_file", "test.tsv", *DECODE])
+    assert results["num_examples"] == len(OTHER_TEST_PAIRS)
+    assert not [r for r in caplog.records if "changed since training" in r.getMessage()]
+
+
+def test_data_arguments_saved_without_hashes_still_load(run_elsewhere, monkeypatch, caplog):
+    run, training_dir, _ = run_elsewhere
+    old = json.loads((run / DATA_ARGS_FILE).read_text())
+    old.pop("data_file_sha256")
+    old.update(train_file="train.tsv", test_file="test.tsv")  # as older versions wrote them
+    (run / DATA_ARGS_FILE).write_text(json.dumps(old))
+    monkeypatch.chdir(training_dir)
+    with caplog.at_level(logging.WARNING):
+        results = decode.run_from_argv(["--model_name_or_path", str(run), *DECODE])
+    assert results["num_examples"] == len(TEST_PAIRS)
+    relative = [r.getMessage() for r in caplog.records if "relative paths" in r.getMessage()]
+    assert len(relative) == 1 and "--test_file test.tsv" in relative[0] and str(training_dir) in relative[0]
+
+
+def test_a_data_file_of_the_run_that_is_gone_is_named(run_elsewhere, capsys):
+    run, training_dir, _ = run_elsewhere
+    (training_dir / "test.tsv").unlink()
+    assert decode.main(["--model_name_or_path", str(run), *DECODE]) == 1
+    error = one_error_line(capsys)
+    assert f"the training run's --test_file {training_dir / 'test.tsv'} is gone" in error
+
+
+def test_a_test_split_that_is_the_validation_file_is_said(run_elsewhere, caplog):
+    run, training_dir, _ = run_elsewhere
+    DataArguments(task="files", train_file=str(training_dir / "train.tsv"),
+                  validation_file=str(training_dir / "test.tsv")).save(run)
+    with caplog.at_level(logging.WARNING):
+        decode.run_from_argv(["--model_name_or_path", str(run), *DECODE])
+    said = [r.getMessage() for r in caplog.records if "no --test_file" in r.getMessage()]
+    assert len(said) == 1 and str(training_dir / "test.tsv") in said[0]
+
+
+def test_resuming_with_another_train_file_warns_naming_both(tmp_path, monkeypatch, caplog):
+    first = write_pairs(tmp_path / "train.tsv", TRAIN_PAIRS)
+    second = write_pairs(tmp_path / "train2.tsv", TRAIN_PAIRS[::-1] + [("close the window", "shut it")])
+    out = tmp_path / "run"
+    common = ("--task", "files", "--save_strategy", "steps", "--save_steps", "1", "--vocab_size", "270")
+    train.run_from_argv(tiny_argv(out, *common, "--train_file", str(first), "--max_steps", "1"))
+    with caplog.at_level(logging.WARNING):
+        train.run_from_argv(tiny_argv(out, *common, "--train_file", str(second), "--max_steps", "2",
+                                      "--resume_from_checkpoint", "latest"))
+    warnings = [r.getMessage() for r in caplog.records if "--train_file" in r.getMessage() and r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and str(first) in warnings[0] and str(second) in warnings[0]
+    caplog.clear()
+    write_pairs(second, TRAIN_PAIRS)  # same path, other content
+    with caplog.at_level(logging.WARNING):
+        train.run_from_argv(tiny_argv(out, *common, "--train_file", str(second), "--max_steps", "3",
+                                      "--resume_from_checkpoint", "latest"))
+    warnings = [r.getMessage() for r in caplog.records if "--train_file" in r.getMessage() and r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and str(second) in warnings[0] and "changed" in warnings[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # the same file again: no warning
+        train.run_from_argv(tiny_argv(out, *common, "--train_file", str(second), "--max_steps", "4",
+                                      "--resume_from_checkpoint", "latest"))
+    assert not [r for r in caplog.records if "--train_file" in r.getMessage() and r.levelno >= logging.WARNING]
+
+
+# ------------------------------------------------------------------------------ 2. --do_predict keeps every pair
+def test_do_predict_writes_one_line_per_test_pair_in_order_scored_on_whole_references(tmp_path, caplog):
+    from flexformers.training_scripts.metrics_utils import compute_generation_metrics
+
+    long_source = " ".join(f"word{i}" for i in range(150))
+    long_reference = " ".join(f"line{i}" for i in range(150))
+    test_pairs = [TEST_PAIRS[0], (long_source, "open it"), ("read it", long_reference), TEST_PAIRS[1]]
+    write_pairs(tmp_path / "train.tsv", TRAIN_PAIRS)
+    write_pairs(tmp_path / "test.tsv", test_pairs)
+    out = tmp_path / "run"
+    with caplog.at_level(logging.WARNING):
+        results = train.run_from_argv(tiny_argv(
+            out, "--task", "files", "--train_file", str(tmp_path / "train.tsv"), "--validation_file",
+            str(tmp_path / "train.tsv"), "--test_file", str(tmp_path / "test.tsv"), "--do_predict",
+            "--max_steps", "1", "--save_strategy", "no", "--vocab_size", "270", "--generation_max_length", "4"))
+    rows = [json.loads(line) for line in (out / "test_generations.jsonl").read_text().splitlines()]
+    assert [row["index"] for row in rows] == list(range(len(test_pairs)))
+    assert [(row["source"], row["reference"]) for row in rows] == test_pairs
+    assert [row["origin"] for row in rows] == [f"test.tsv:{line}" for line in range(2, 6)]
+    assert results["test"]["test_samples"] == len(test_pairs)
+    expected = compute_generation_metrics([row["hypothesis"] for row in rows], [t for _, t in test_pairs])
+    assert results["test"]["test_bleu"] == pytest.approx(round(expected["bleu"], 4))
+    assert results["test"]["test_chrf"] == pytest.approx(round(expected["chrf"], 4))
+    cut = [r.getMessage() for r in caplog.records if "--max_source_length" in r.getMessage()]
+    assert len(cut) == 1 and "1 of the 4 test sources" in cut[0]
+
+
+# ------------------------------------------------------------------------------ 3. decode's output files
+@pytest.fixture
+def no_decoding(monkeypatch):
+    """Decoding fails the test: a refusal must come before the work."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("decoded before refusing")
+
+    monkeypatch.setattr(decode, "generate_texts", refuse)
+
+
+def one_error_line(capsys, tool="flexformers-decode") -> str:
+    """The one line the tool printed on stderr (progress bars of loading aside)."""
+    error = capsys.readouterr().err
+    lines = [line for line in error.splitlines() if line.strip() and "%|" not in line]
+    assert "Traceback" not in error and len(lines) == 1, error
+    assert lines[0].startswith(f"{tool}: error: "), error
+    return lines[0]
+
+
+@pytest.mark.parametrize("name", ["test.tsv", "train.tsv"])
+def test_decode_refuses_to_write_over_a_data_file(run_elsewhere, capsys, no_decoding, name):
+    run, training_dir, _ = run_elsewhere
+    data = training_dir / name
+    before = data.read_bytes()
+    for extra in ([], ["--overwrite_output"]):
+        assert decode.main(["--model_name_or_path", str(run), "--output_file", str(data), *extra, *DECODE]) == 1
+        assert "is the training run's" in one_error_line(capsys) and data.read_bytes() == before
+
+
+def test_decode_refuses_a_hypotheses_file_whose_jsonl_is_a_data_file(run_elsewhere, capsys, no_decoding):
+    run, training_dir, _ = run_elsewhere
+    data = training_dir / "pairs.jsonl"
+    data.write_text('{"source": "read line 1", "target": "open the file 1"}\n')
+    DataArguments(task="files", train_file=str(training_dir / "train.tsv"), test_file=str(data)).save(run)
+    assert decode.main(["--model_name_or_path", str(run), "--output_file", str(training_dir / "pairs.txt"),
+                        "--overwrite_output", *DECODE]) == 1
+    assert "pairs.jsonl" in one_error_line(capsys)
+    assert not (training_dir / "pairs.txt").exists()
+
+
+def test_decode_refuses_an_existing_output_file_unless_told_to_overwrite(run_elsewhere, tmp_path, capsys):
+    run, _, _ = run_elsewhere
+    mine = tmp_path / "notes.txt"
+    mine.write_text("my notes\n")
+    assert decode.main(["--model_name_or_path", str(run), "--output_file", str(mine), *DECODE]) == 1
+    assert "--overwrite_output" in one_error_line(capsys) and mine.read_text() == "my notes\n"
+    sibling = tmp_path / "hyps.jsonl"
+    sibling.write_text("my other notes\n")
+    assert decode.main(["--model_name_or_path", str(run), "--output_file", str(tmp_path / "hyps.txt"), *DECODE]) == 1
+    assert "hyps.jsonl" in one_error_line(capsys) and sibling.read_text() == "my other notes\n"
+    assert decode.main(["--model_name_or_path", str(run), "--output_file", str(mine), "--overwrite_output", *DECODE]) == 0
+    assert len(mine.read_text().splitlines()) == len(TEST_PAIRS)
+    # the default generations.<split>.txt in the model directory is decode's own: a new decoding replaces it
+    for _ in range(2):
+        assert decode.main(["--model_name_or_path", str(run), *DECODE]) == 0
+    assert len((run / "generations.test.txt").read_text().splitlines()) == len(TEST_PAIRS)
+
+
+def test_decode_refuses_an_output_file_that_is_a_directory_or_a_jsonl(run_elsewhere, tmp_path, capsys, no_decoding):
+    run, _, _ = run_elsewhere
+    (tmp_path / "folder").mkdir()
+    assert decode.main(["--model_name_or_path", str(run), "--output_file", str(tmp_path / "folder"), *DECODE]) == 1
+    assert "is a directory" in one_error_line(capsys)
+    assert decode.main(["--model_name_or_path", str(run), "--output_file", str(tmp_path / "out.jsonl"), *DECODE]) == 1
+    assert ".jsonl" in one_error_line(capsys)
+
+
+def test_decode_refuses_an_unwritable_output_location_before_decoding(run_elsewhere, tmp_path, capsys, no_decoding,
+                                                                     monkeypatch):
+    run, _, _ = run_elsewhere
+    (tmp_path / "plain").write_text("a file, not a folder\n")
+    assert decode.main(["--model_name_or_path", str(run), "--output_file", str(tmp_path / "plain" / "h.txt"),
+                        *DECODE]) == 1
+    assert "cannot be written" in one_error_line(capsys)
+
+    import errno
+    import tempfile
+
+    real = tempfile.TemporaryFile
+
+    def read_only(*args, dir=None, **kwargs):
+        if dir is not None and Path(dir).resolve() == run.resolve():
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", read_only)  # a read-only mount (root ignores chmod)
+    assert decode.main(["--model_name_or_path", str(run), *DECODE]) == 1
+    error = one_error_line(capsys)
+    assert str(run) in error and "Read-only file system" in error
+    assert decode.main(["--model_name_or_path", str(run), "--output_file", str(tmp_path / "h.txt"), *DECODE]) == 1
+    assert "eval_results.json" in one_error_line(capsys)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_decode_refuses_a_read_only_model_dir_before_decoding(run_elsewhere, capsys, no_decoding):
+    run, _, _ = run_elsewhere
+    run.chmod(0o555)
+    try:
+        assert decode.main(["--model_name_or_path", str(run), *DECODE]) == 1
+        assert str(run) in one_error_line(capsys)
+    finally:
+        run.chmod(0o755)
+
+
+# ------------------------------------------------------------------------------ 4. method tools, another type
+TOOLS = {
+    "flexformers-iot-orders": (iot_order_analysis.main, lambda d: ["--model_name_or_path", d], "IOT"),
+    "flexformers-indigo-trace": (indigo_trace.main, lambda d: ["--model_dir", d, "--source", "open the file"], "InDIGO"),
+    "flexformers-depth-adaptive": (depth_adaptive_tools.main, lambda d: ["evaluate", "--model_name_or_path", d],
+                                   "Depth-Adaptive"),
+}
+
+
+@pytest.mark.parametrize("tool", sorted(TOOLS))
+def test_a_method_tool_refuses_another_types_model_in_one_line(model_dir, capsys, tool):  # noqa: F811
+    main, argv, method = TOOLS[tool]
+    assert main(argv(str(model_dir))) == 1
+    error = one_error_line(capsys, tool)
+    assert f"{tool} needs a" in error and method in error and f"{model_dir} holds a 'flexformer' model" in error
+
+
+def test_a_method_tool_exits_0_on_success(monkeypatch):
+    # the console script exits with main()'s value: a report dict there would read as failure (and be printed)
+    monkeypatch.setattr(depth_adaptive_tools, "command_evaluate", lambda args: {"bleu": 1.0})
+    assert depth_adaptive_tools.main(["evaluate", "--model_name_or_path", "runs/x"]) == 0
+    assert depth_adaptive_tools.run_from_argv(["evaluate", "--model_name_or_path", "runs/x"]) == {"bleu": 1.0}
+
+
+# ------------------------------------------------------------------------------ 5. data-file edge cases
+def test_a_data_file_that_is_not_a_regular_file_is_named(tmp_path):
+    (tmp_path / "data.tsv").mkdir()
+    with pytest.raises(ValueError, match=r"data.tsv: is a directory, not a data file"):
+        read_parallel_file(tmp_path / "data.tsv")
+    os.mkfifo(tmp_path / "pipe.tsv")
+    with pytest.raises(ValueError, match=r"pipe.tsv: not a regular file"):
+        read_parallel_file(tmp_path / "pipe.tsv")
+    with pytest.raises(ValueError, match=r"missing.tsv: file not found"):
+        read_parallel_file(tmp_path / "missing.tsv")
+
+
+def test_an_unreadable_data_file_is_named(tmp_path, monkeypatch):
+    path = write_pairs(tmp_path / "data.tsv", TEST_PAIRS)
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", denied)  # chmod 000 does not stop root
+    with pytest.raises(ValueError, match=r"data.tsv: cannot be read \(Permission denied\)"):
+        read_parallel_file(path)
+
+
+def test_one_column_for_both_sides_or_a_repeated_header_name_is_refused(tmp_path):
+    path = write_pairs(tmp_path / "data.tsv", TEST_PAIRS)
+    with pytest.raises(ValueError, match=r"--source_column and --target_column are both 'source'"):
+        read_parallel_file(path, source_column="source", target_column="source")
+    (tmp_path / "twice.tsv").write_text("source\tsource\ttarget\na\tb\tc\n")
+    with pytest.raises(ValueError, match=r"twice.tsv, line 1: the header names column 'source' twice"):
+        read_parallel_file(tmp_path / "twice.tsv")
+
+
+def test_a_bom_crlf_test_file_with_other_columns_reads_like_the_training_file(tmp_path):
+    (tmp_path / "test.tsv").write_bytes("\ufeffid\ttarget\tsource\r\n1\tb c\ta d\r\n".encode())
+    rows = read_parallel_file(tmp_path / "test.tsv")
+    assert [(row["source"], row["target"]) for row in rows] == [("a d", "b c")]
+
+
+# ------------------------------------------------------------------------------ 6. generate(decoder_start_token_id)
+@pytest.mark.parametrize("value", [10**6, 60, -1])
+def test_generate_names_an_out_of_vocabulary_decoder_start_token_id(value):
+    for model in _tiny_models():
+        with pytest.raises(ValueError, match=rf"generate\(\): decoder_start_token_id {value} is outside the target "
+                                             r"vocabulary \[0, 60\)"):
+            model.generate(torch.tensor([[5, 6, 2]]), decoder_start_token_id=value, max_new_tokens=2)
+
+
+def test_generate_checks_the_decoder_start_of_its_generation_config_and_the_target_vocabulary():
+    from flexformers.configuration import FlexformerConfig
+    from flexformers.modeling.modeling_flexformer import FlexformerForConditionalGeneration
+
+    from .conftest import tiny_config_kwargs
+
+    for model in _tiny_models():
+        model.generation_config.decoder_start_token_id = 77
+        with pytest.raises(ValueError, match=r"decoder_start_token_id 77 is outside the target vocabulary \[0, 60\)"):
+            model.generate(torch.tensor([[5, 6, 2]]), max_new_tokens=2)
+    separate = FlexformerForConditionalGeneration(FlexformerConfig(**tiny_config_kwargs(
+        target_vocab_size=40, share_all_embeddings=False))).eval()
+    with pytest.raises(ValueError, match=r"decoder_start_token_id 50 is outside the target vocabulary \[0, 40\)"):
+        separate.generate(torch.tensor([[5, 55, 2]]), decoder_start_token_id=50, max_new_tokens=2)
+    assert separate.generate(torch.tensor([[5, 55, 2]]), decoder_start_token_id=39, max_new_tokens=2)[0, 0] == 39
+
+
+def test_indigo_refuses_a_decoder_start_token_id_it_would_not_use():
+    indigo = next(model for model in _tiny_models() if model.config.model_type == "indigo")
+    with pytest.raises(ValueError, match=r"InDIGO generate\(\): decoder_start_token_id=5 .*<s> </s>"):
+        indigo.generate(torch.tensor([[5, 6, 2]]), decoder_start_token_id=5, max_new_tokens=2)
+    start = indigo.config.bos_token_id  # what insertion decoding starts from anyway
+    assert indigo.generate(torch.tensor([[5, 6, 2]]), decoder_start_token_id=start, max_new_tokens=2)[0, 0] == start
