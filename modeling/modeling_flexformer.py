@@ -578,6 +578,11 @@ class BackboneComponents:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def _needs_init(tensor) -> bool:
+    """Whether `_init_weights` should set ``tensor``: it exists and `from_pretrained` did not load it."""
+    return tensor is not None and not getattr(tensor, "_is_hf_initialized", False)
+
+
 def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
     """Teacher-forcing decoder input: `</s>` (fairseq's decoder start), then the labels without their last token."""
     shifted = labels.new_zeros(labels.shape)
@@ -647,40 +652,47 @@ class FlexformerPreTrainedModel(PreTrainedModel):
         """fairseq's initialisation: xavier-uniform projections (q/k/v with gain 1/√2, as fairseq's
         `MultiheadAttention`; FFN and output projections with zero biases), token embeddings N(0, d^-0.5) with a
         zero padding row, LayerNorm (1, 0)."""
+        # Each tensor is checked on its own: a checkpoint may hold a projection's weight but lack its bias, which
+        # must then start as fairseq's, not as the uninitialised memory `from_pretrained` allocated for it.
         if isinstance(module, FlexformerAttention):
             for projection in (module.q_proj, module.k_proj, module.v_proj):
-                if not getattr(projection.weight, "_is_hf_initialized", False):
+                if _needs_init(projection.weight):
                     init_branched_linear(projection.weight, module.num_branches, module.embed_dim, 0, 2**-0.5)
+                if _needs_init(projection.bias):
                     bound = 1.0 / math.sqrt(projection.in_features)
                     nn.init.uniform_(projection.bias, -bound, bound)  # fairseq leaves nn.Linear's default bias
         elif isinstance(module, FlexformerFeedForward):
-            if not getattr(module.fc1.weight, "_is_hf_initialized", False):
+            if _needs_init(module.fc1.weight):
                 init_branched_linear(module.fc1.weight, module.num_branches, module.ffn_dim, 0, 1.0)
+            if _needs_init(module.fc1.bias):
                 nn.init.zeros_(module.fc1.bias)
         elif isinstance(module, BranchMergeLinear):
-            if not getattr(module.weight, "_is_hf_initialized", False):
+            if _needs_init(module.weight):
                 init_branched_linear(module.weight, module.num_branches, module.in_features, 1, 1.0)
+            if _needs_init(module.bias):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, LearnedPositionalEmbedding):
-            if not getattr(module.weight, "_is_hf_initialized", False):
+            if _needs_init(module.weight):
                 nn.init.normal_(module.weight, mean=0.0, std=module.embedding_dim**-0.5)
                 module.weight[module.padding_idx].zero_()
         elif isinstance(module, nn.Embedding):
-            if not getattr(module.weight, "_is_hf_initialized", False):
+            if _needs_init(module.weight):
                 nn.init.normal_(module.weight, mean=0.0, std=module.embedding_dim**-0.5)
                 if module.padding_idx is not None:
                     module.weight[module.padding_idx].zero_()
         elif isinstance(module, nn.LayerNorm):
-            if not getattr(module.weight, "_is_hf_initialized", False):
+            if _needs_init(module.weight):
                 nn.init.ones_(module.weight)
+            if _needs_init(module.bias):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Linear):
-            if not getattr(module.weight, "_is_hf_initialized", False):
+            if _needs_init(module.weight):
                 if module.bias is None:  # an output projection (untied LM head): fairseq's N(0, d^-0.5)
                     nn.init.normal_(module.weight, mean=0.0, std=module.in_features**-0.5)
                 else:
                     nn.init.xavier_uniform_(module.weight)
-                    nn.init.zeros_(module.bias)
+            if _needs_init(module.bias):
+                nn.init.zeros_(module.bias)
 
     # ---- vocabulary size -----------------------------------------------------------------------------------------
     def vocabulary_projections(self) -> list[nn.Linear]:

@@ -283,6 +283,30 @@ def test_a_checkpoint_without_the_shared_table_reports_it_missing_and_initialise
         assert torch.equal(loaded.state_dict()[name], tensor), name
 
 
+@pytest.mark.parametrize("model_type", WITH_BART)
+def test_a_bias_missing_beside_its_loaded_weight_starts_as_a_fresh_models(model_type, tokenizer, tmp_path):
+    """A checkpoint holding a projection's weight but not its bias: the bias is initialised as in a new model
+    (the FFN's and attention output's biases zero, fairseq's), not left as the memory `from_pretrained` allocated."""
+    model = tiny_model(model_type, len(tokenizer))
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    state = load_file(path)
+    fresh = tiny_model(model_type, len(tokenizer), seed=1).state_dict()
+    removed = [name for name in state if name.endswith(("fc1.bias", "out_proj.bias")) and not fresh[name].any()]
+    assert removed
+    for name in removed:
+        del state[name]
+    save_file(state, path, metadata={"format": "pt"})
+    for name in removed:  # leave freed memory of the biases' size that is not zero, for the allocator to hand out
+        junk = torch.full_like(fresh[name], float("nan"))
+        del junk
+
+    loaded, info = AutoModelForSeq2SeqLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert set(removed) <= set(info["missing_keys"])
+    for name in removed:
+        assert torch.equal(loaded.state_dict()[name], fresh[name]), name
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # 5. Seq2SeqTrainer's defaults: evaluation loss and the best model at the end
 # --------------------------------------------------------------------------------------------------------------------

@@ -177,7 +177,7 @@ def load_method_model(model_dir: str | Path, model_class: type, tool: str, metho
 
 
 def run_tool(tool: str, command, argv: list[str] | None = None) -> int:
-    """A method tool's console entry point: ``command(argv)``, then 0; bad input (another type's model, an invalid
+    """A console entry point (decode's, the quickstart's, each method tool's): ``command(argv)``, then 0; bad input (another type's model, an invalid
     option, a damaged checkpoint) prints one line ``<tool>: error: ...`` on stderr, without a traceback, and
     returns 1."""
     try:
@@ -537,12 +537,7 @@ def run_from_argv(argv: list[str] | None = None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: 0 on success; bad input (a damaged checkpoint, an invalid option) prints one
     line naming the problem, without a traceback, and returns 1."""
-    try:
-        run_from_argv(argv)
-    except ValueError as error:
-        print(f"flexformers-decode: error: {error}", file=sys.stderr)
-        return 1
-    return 0
+    return run_tool("flexformers-decode", run_from_argv, argv)
 
 
 if __name__ == "__main__":

@@ -363,12 +363,9 @@ def _data_fields(data_flags: list[str], python_source_dirs) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: 0 on success; bad input (too few --minutes, an --output_dir holding another
     run's files, a damaged checkpoint) prints one line naming the problem, without a traceback, and returns 1."""
-    try:
-        run_from_argv(argv)
-    except ValueError as error:
-        print(f"flexformers-quickstart: error: {error}", file=sys.stderr)
-        return 1
-    return 0
+    from flexformers.training_scripts.decode import run_tool
+
+    return run_tool("flexformers-quickstart", run_from_argv, argv)
 
 
 if __name__ == "__main__":
