@@ -101,8 +101,8 @@ class SearchKernels:
                                for layer in decoder.layers])
 
         def priced(products, count):
-            """Each (weight, bias) as (fastest product for `count` rows, an input); a BranchMergeLinear keeps a
-            `[branches, out]` bias: one branch here."""
+            """Each (weight, bias) as (fastest product for `count` rows, an input); a merge projection of the
+            earlier layout kept a `[branches, out]` bias: one branch here."""
             return [(best_product(w.detach(), None if b is None else b.detach().reshape(-1), count),
                      torch.randn(count, w.shape[1])) for w, b in products]
 

@@ -32,6 +32,16 @@ def _place_rows(weights: dict, name: str, rows, row_weights: torch.Tensor | None
         weights[name].index_copy_(0, rows, row_weights)
 
 
+def _mask_rows(weights: dict, name: str, row_mask: torch.Tensor, row_weights: torch.Tensor | None) -> None:
+    """`_place_rows` for a boolean row mask: the masked rows of `row_weights` (computed for the whole batch) go into
+    `weights[name]`."""
+    if row_weights is None:
+        return
+    previous = weights.get(name)
+    keep = row_mask.view(-1, *([1] * (row_weights.dim() - 1)))
+    weights[name] = torch.where(keep, row_weights, row_weights.new_zeros(()) if previous is None else previous)
+
+
 class _ReorderableLayer(CheckpointOnlyWithGradients, GradientCheckpointingLayer):
     """Shared machinery of encoder and decoder blocks: each sub-layer is a method with its own residual,
     dropout and LayerNorm, and `forward` runs them in the order it is given."""
@@ -95,6 +105,11 @@ class _ReorderableLayer(CheckpointOnlyWithGradients, GradientCheckpointingLayer)
                     hidden_states, weights[name] = compute(
                         hidden_states, past_key_values=past_key_values, kv_collector=collector, **kwargs
                     )
+                elif isinstance(rows, torch.Tensor) and rows.dtype == torch.bool:
+                    # a row mask (the plan `torch.export` gets): every row computes, the masked rows keep the result
+                    updated, stage_weights = compute(hidden_states, past_key_values=past_key_values, **kwargs)
+                    hidden_states = torch.where(rows[:, None, None], updated, hidden_states)
+                    _mask_rows(weights, name, rows, stage_weights)
                 else:
                     updated, stage_weights = compute(
                         index_rows(hidden_states, rows),

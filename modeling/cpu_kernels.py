@@ -162,22 +162,13 @@ def fused_linears(owner: nn.Module, inputs: torch.Tensor, projections: Sequence[
     projections' weights are packed side by side and run as one product, then split — a wider product keeps both
     cores busier than three narrow ones: self-attention's q, k, v at [32, 512]×[512, 3·512] 0.45 ms against
     3 × 0.165 ms (greedy generation −2%). The packed copy, keyed by `owner`, follows every weight's and bias's
-    version. Only plain `PrepackedLinear`s without hooks or a per-module `forward` are fused (an adapter that
-    replaces or wraps a projection, e.g. PEFT's LoRA or accelerate's offload hooks, keeps its own forward)."""
-    first = projections[0]
+    version. Only projections :func:`packable` are fused; any other module (PEFT's LoRA layer, a dynamically
+    quantized linear, accelerate's offload hooks) runs its own forward."""
+    if not all(packable(projection) for projection in projections):  # checked first: others may lack `.weight`
+        return tuple(project(projection, inputs) for projection in projections)
     biases = [projection.bias for projection in projections]
-    rows = _packed_rows(inputs, first.weight, biases)
-    if (
-        rows
-        and all(
-            type(projection) is PrepackedLinear
-            and not projection._forward_hooks
-            and not projection._forward_pre_hooks
-            and "forward" not in projection.__dict__  # e.g. accelerate's offload hook replaces `forward` per module
-            for projection in projections
-        )
-        and (all(bias is None for bias in biases) or all(bias is not None for bias in biases))
-    ):
+    rows = _packed_rows(inputs, projections[0].weight, biases)
+    if rows and (all(bias is None for bias in biases) or all(bias is not None for bias in biases)):
         tensors = [projection.weight for projection in projections] + [bias for bias in biases if bias is not None]
         key = tuple(weights_version(tensor) for tensor in tensors)
         entry = _PACKED_WEIGHTS.get(owner)
@@ -190,37 +181,55 @@ def fused_linears(owner: nn.Module, inputs: torch.Tensor, projections: Sequence[
         if entry[1] is not None:
             fused = _LINEAR_POINTWISE(inputs, entry[1], entry[2], "none", [], "")
             return fused.split([projection.out_features for projection in projections], dim=-1)
-    return tuple(projection(inputs) for projection in projections)
+    return tuple(project(projection, inputs) for projection in projections)
 
 
-class PrepackedLinear(nn.Linear):
-    """`nn.Linear` (same parameters and state dict) whose inference calls go through :func:`linear`."""
+def packable(module: nn.Module) -> bool:
+    """Whether a projection may take the packed products of this module: a plain `nn.Linear` (exact type) without
+    hooks or a per-module `forward`. Every other module runs its own forward — a dynamically quantized linear
+    (`torch.ao.quantization.quantize_dynamic` swaps exactly-typed `nn.Linear`s, so the projections are plain ones),
+    PEFT's LoRA layer, accelerate's offload hook (it replaces `forward` per module)."""
+    return (
+        type(module) is nn.Linear
+        and not module._forward_hooks
+        and not module._forward_pre_hooks
+        and "forward" not in module.__dict__
+    )
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        return linear(self, inputs, self.weight, self.bias)
+
+def project(module: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    """`module(inputs)` for a projection; a :func:`packable` one goes through :func:`linear` (the packed oneDNN
+    product where that pays). Every projection of the backbone is called through here, so the projections stay plain
+    `nn.Linear`s that quantizers and adapters recognise, and the speed lever lives at the call sites."""
+    if packable(module):
+        return linear(module, inputs, module.weight, module.bias)
+    return module(inputs)
 
 
-class VocabularyProjection(nn.Linear):
-    """The output layer d → V (`lm_head`, and Depth-Adaptive's exit classifiers).
+#: Up to this many rows, the vocabulary projection takes `(W · hᵀ)ᵀ` where packing is unavailable.
+TRANSPOSED_PRODUCT_MAX_ROWS = 64
 
-    Without gradients on CPU it goes through the prepacked oneDNN path of :func:`linear` (d 512, V 10152, 32 rows:
-    6.0 → 2.9 ms). Where that is unavailable, a few rows take `(W · hᵀ)ᵀ`: CPU BLAS runs the product with the long
-    vocabulary axis first faster there (32 rows 5.6 → 4.0 ms, transpose back to contiguous included); from ~128
-    rows on, and whenever gradients flow, `F.linear` is as fast or faster.
+
+def project_vocabulary(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The output layer d → V (`lm_head`, and Depth-Adaptive's exit classifiers) applied to `hidden_states`.
+
+    A :func:`packable` projection without gradients on CPU goes through the prepacked oneDNN path of :func:`linear`
+    (d 512, V 10152, 32 rows: 6.0 → 2.9 ms). Where that is unavailable, a few rows take `(W · hᵀ)ᵀ`: CPU BLAS runs
+    the product with the long vocabulary axis first faster there (32 rows 5.6 → 4.0 ms, transpose back to contiguous
+    included); from ~128 rows on, and whenever gradients flow, `F.linear` is as fast or faster. Any other module
+    (quantized, adapted, hooked) runs its own forward.
     """
-
-    transposed_product_max_rows = 64
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        rows = hidden_states.numel() // self.in_features
-        if (
-            PREPACK_INFERENCE_WEIGHTS
-            or rows > self.transposed_product_max_rows
-            or hidden_states.device.type != "cpu"
-            or (torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad))
-        ):
-            return linear(self, hidden_states, self.weight, self.bias)
-        logits = (self.weight @ hidden_states.reshape(rows, self.in_features).t()).t().contiguous()
-        if self.bias is not None:
-            logits = logits + self.bias
-        return logits.view(*hidden_states.shape[:-1], self.out_features)
+    if not packable(module):
+        return module(hidden_states)
+    rows = hidden_states.numel() // module.in_features
+    if (
+        PREPACK_INFERENCE_WEIGHTS
+        or rows > TRANSPOSED_PRODUCT_MAX_ROWS
+        or hidden_states.device.type != "cpu"
+        or (torch.is_grad_enabled() and (hidden_states.requires_grad or module.weight.requires_grad))
+    ):
+        return linear(module, hidden_states, module.weight, module.bias)
+    logits = (module.weight @ hidden_states.reshape(rows, module.in_features).t()).t().contiguous()
+    if module.bias is not None:
+        logits = logits + module.bias
+    return logits.view(*hidden_states.shape[:-1], module.out_features)

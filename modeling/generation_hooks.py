@@ -78,6 +78,47 @@ def check_decoder_start_token_id(model, value) -> None:
                              f"[0, {vocab_size})")
 
 
+def requested_option(model, generation_config, kwargs: dict, name: str):
+    """The value `generate()` will use for the GenerationConfig option `name`: the keyword, else the config's."""
+    if kwargs.get(name) is not None:
+        return kwargs[name]
+    resolved = generation_config if generation_config is not None else model.generation_config
+    return getattr(resolved, name, None)
+
+
+def check_left_to_right_options(model, generation_config=None, kwargs: dict | None = None) -> None:
+    """A `ValueError` naming the `generate()` options Transformers' loop would run wrongly on a flexformers model."""
+    kwargs = kwargs or {}
+    early_exit = requested_option(model, generation_config, kwargs, "assistant_early_exit")
+    if early_exit is not None:
+        # Transformers' self-speculative decoding lowers `config.num_hidden_layers` for its drafts, which the
+        # backbone's decoder does not read (it would draft with every block against a cache sized for fewer, fail,
+        # and leave the lowered count in the config).
+        raise ValueError(
+            f"generate(): assistant_early_exit={early_exit!r} cannot be used: the flexformers decoders run all their "
+            "blocks whatever config.num_hidden_layers says (Depth-Adaptive exits by its own exit_strategy); pass "
+            "an assistant_model instead"
+        )
+    chunk = requested_option(model, generation_config, kwargs, "prefill_chunk_size")
+    if chunk is not None:
+        # Transformers' chunked prefill takes `attention_mask` as the decoder's: for an encoder-decoder it is the
+        # source mask, which every later step would then decode without (padded sources attend to their padding)
+        raise ValueError(
+            f"generate(): prefill_chunk_size={chunk!r} cannot be used with an encoder-decoder flexformers model: it "
+            "chunks a decoder-only prompt (the decoder here starts from one token), and Transformers' chunked "
+            "prefill drops the source mask"
+        )
+    guidance = requested_option(model, generation_config, kwargs, "guidance_scale")
+    if guidance is not None and guidance != 1:
+        # Transformers' classifier-free guidance doubles the decoder batch with an unconditional half, which an
+        # encoder-decoder's step cannot build (it needs encoder states for every row)
+        raise ValueError(
+            f"generate(): guidance_scale={guidance!r} (classifier-free guidance, with negative_prompt_ids / "
+            "negative_prompt_attention_mask as its unconditional prompt) cannot be used with an encoder-decoder "
+            "flexformers model: Transformers' guidance step runs the decoder without the encoder states"
+        )
+
+
 class FlexformerGenerationMixin(GenerationMixin):
     """`GenerationMixin` with the backbone's decoding cache (preallocated self-attention layers, cross-attention
     stored once per source sentence), an inferred source padding mask and fairseq's never-generate-`<pad>`."""
@@ -90,6 +131,7 @@ class FlexformerGenerationMixin(GenerationMixin):
     def generate(self, inputs=None, generation_config=None, *args, **kwargs):
         """`GenerationMixin.generate` after :func:`check_generate_arguments`."""
         check_generate_arguments(self, inputs if inputs is not None else kwargs.get("input_ids"), generation_config, kwargs)
+        check_left_to_right_options(self, generation_config, kwargs)
         return super().generate(inputs, generation_config, *args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from transformers.generation import GenerationConfig, LogitsProcessorList
+from transformers.generation import GenerationConfig, LogitsProcessorList, MaxTimeCriteria, StoppingCriteriaList
 from transformers.utils import ModelOutput
 
 from .generation_hooks import check_generate_arguments
@@ -38,11 +38,23 @@ class InDIGOGenerateOutput(ModelOutput):
     then one per inserted word) ``decoder_attentions`` / ``cross_attentions`` — a tuple per block of
     ``[rows, heads, new words, keys]`` — and ``decoder_hidden_states`` (the embeddings, then each block:
     ``[rows, new words, d]``); rows are sentences × beams (or × returned sequences), in that step's beam order.
+
+    Per decoding step (one insertion, or the ``<eod>`` that ends a hypothesis), laid out as Transformers' outputs:
+    ``scores`` (``output_scores``) the processed word scores the word was chosen from, ``[rows, V]`` (beam search:
+    log-probabilities); ``logits`` (``output_logits``) the word logits before the processors (``<s>``, ``</s>`` and
+    ``<pad>`` masked: never inserted); ``beam_indices`` (beam search) ``[sequences, steps]``, the row of each step's
+    ``scores`` the returned hypothesis descends from (-1 after its end); ``position_scores`` ``[sequences, steps]``
+    the log-probability of the gap each word was inserted at (Eq. 11; 0 for ``<eod>`` and after the end). A step's
+    score is word + position: :meth:`InsertionDecoding.compute_transition_scores` of ``insertion_ids`` gives the
+    word part.
     """
 
     sequences: torch.LongTensor | None = None
     sequences_scores: torch.Tensor | None = None
     scores: tuple | None = None
+    logits: tuple | None = None
+    beam_indices: torch.LongTensor | None = None
+    position_scores: torch.Tensor | None = None
     insertion_ids: torch.LongTensor | None = None
     relative_positions: torch.Tensor | None = None
     insertion_trace: list | None = None
@@ -83,6 +95,46 @@ class DecoderSteps:
             "cross_attentions": None if self.cross_attentions is None else tuple(self.cross_attentions),
             "decoder_hidden_states": None if self.hidden_states is None else tuple(self.hidden_states),
         }
+
+
+#: GenerationConfig options that only make sense for left-to-right decoding, each with the values that leave it off
+#: and why insertion decoding refuses it (a `ValueError` naming it: never silently ignored).
+LEFT_TO_RIGHT_ONLY_OPTIONS = {
+    "force_words_ids": ((None,), "constrained beam search forces words into a left-to-right prefix"),
+    "constraints": ((None,), "constrained beam search forces words into a left-to-right prefix"),
+    "num_beam_groups": ((None, 1), "group (diverse) beam search is not implemented for insertion decoding"),
+    "diversity_penalty": ((None, 0.0), "group (diverse) beam search is not implemented for insertion decoding"),
+    "penalty_alpha": ((None,), "contrastive search is not implemented for insertion decoding"),
+    "dola_layers": ((None,), "DoLa contrasts the layers of a left-to-right step"),
+    "low_memory": ((None, False), "there is no sequential low-memory beam search for insertion decoding"),
+    "guidance_scale": ((None, 1, 1.0), "classifier-free guidance needs an unconditional left-to-right pass"),
+    "prompt_lookup_num_tokens": ((None,), "assisted decoding verifies left-to-right drafts"),
+    "assistant_early_exit": ((None,), "assisted decoding verifies left-to-right drafts"),
+    "use_mtp": ((None, False), "multi-token prediction drafts left-to-right tokens"),
+    "stop_strings": ((None,), "stop strings are matched at the end of left-to-right text; pass stopping_criteria"),
+    "token_healing": ((None, False), "token healing rewrites the end of a left-to-right prompt"),
+    "forced_bos_token_id": ((None,), "the first inserted word need not be the sentence's first word"),
+    "forced_eos_token_id": ((None,), "</s> always closes the sentence and <eod> ends decoding"),
+}
+
+
+def check_insertion_generation_config(generation_config: GenerationConfig, config) -> None:
+    """A `ValueError` naming each option of `generation_config` that insertion decoding cannot honour."""
+    for name, (neutral, why) in LEFT_TO_RIGHT_ONLY_OPTIONS.items():
+        value = getattr(generation_config, name, None)
+        if not any(value is off or (off is not None and value == off) for off in neutral):
+            raise ValueError(f"InDIGO generate(): {name}={value!r} cannot be used: {why}")
+    eos = generation_config.eos_token_id
+    if isinstance(eos, torch.Tensor):
+        eos_ids = eos.flatten().tolist()
+    else:
+        eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    if any(token not in (None, config.eos_token_id, config.eod_token_id) for token in eos_ids):
+        raise ValueError(
+            f"InDIGO generate(): eos_token_id={eos!r} cannot be used: insertion decoding ends a hypothesis with <eod> "
+            f"(eod_token_id={config.eod_token_id}) and closes every sentence with </s> (eos_token_id="
+            f"{config.eos_token_id}); leave it out"
+        )
 
 
 class InsertionDecoding:
@@ -131,16 +183,37 @@ class InsertionDecoding:
         return gaps, reading
 
     def _prepare_generation(self, input_ids, attention_mask, generation_config, kwargs):
-        for key in ("labels", "insertion_targets", "pointer_targets", "insertion_labels", "pointer_labels",
-                    "relative_positions", "decoder_input_ids", "decoder_attention_mask", "target_ids", "target_lengths",
-                    "synced_gpus", "streamer", "num_items_in_batch"):
+        training_batch = ("labels", "insertion_targets", "pointer_targets", "insertion_labels", "pointer_labels",
+                          "relative_positions", "target_ids", "target_lengths", "num_items_in_batch")
+        is_training_batch = any(kwargs.get(key) is not None for key in training_batch)
+        for key in ("decoder_input_ids", "decoder_attention_mask"):
+            if kwargs.get(key) is not None and not is_training_batch:
+                # (a training batch's teacher-forced decoder inputs are set aside, as Seq2SeqTrainer's evaluation does)
+                raise ValueError(
+                    f"InDIGO generate(): {key} cannot be used: insertion decoding starts from <s> </s> and has no "
+                    "left-to-right prefix to continue; leave it out"
+                )
+        for key in (*training_batch, "decoder_input_ids", "decoder_attention_mask"):
             kwargs.pop(key, None)
+        if kwargs.pop("synced_gpus", None):
+            raise ValueError(
+                "InDIGO generate(): synced_gpus=True cannot be used: insertion decoding does not keep the ranks of a "
+                "sharded (ZeRO-3 / FSDP) model stepping together; decode on each rank with a whole model"
+            )
+        if kwargs.pop("assistant_model", None) is not None:
+            raise ValueError(
+                "InDIGO generate(): assistant_model cannot be used: assisted decoding verifies left-to-right drafts"
+            )
         encoder_outputs = kwargs.pop("encoder_outputs", None)
         inputs_embeds = kwargs.pop("inputs_embeds", None)
         generation_config, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
-        unknown = sorted(k for k in model_kwargs if k not in ("use_cache", "output_attentions", "output_hidden_states"))
+        unknown = sorted(
+            key for key, value in model_kwargs.items()
+            if value is not None and key not in ("use_cache", "output_attentions", "output_hidden_states")
+        )
         if unknown:
             raise ValueError(f"InDIGO generate() got unexpected arguments {unknown}")
+        check_insertion_generation_config(generation_config, self.config)
         if generation_config.cache_implementation not in (None, "dynamic"):
             raise ValueError(
                 f"InDIGO generate() keeps its own insertion-decoding state (pointer keys, relative positions that "
@@ -161,6 +234,9 @@ class InsertionDecoding:
         generation_config: GenerationConfig | None = None,
         logits_processor: LogitsProcessorList | None = None,
         return_insertion_trace: bool = False,
+        stopping_criteria: StoppingCriteriaList | None = None,
+        prefix_allowed_tokens_fn=None,
+        streamer=None,
         **kwargs,
     ):
         """Algorithm 1 with greedy decoding, sampling (``do_sample``) or the two-step beam search of Sec. 4.3
@@ -170,10 +246,16 @@ class InsertionDecoding:
         Honours ``max_new_tokens`` (insertions, ``<eod>`` included; default ``max_length - 2``),
         ``num_beams``, ``num_return_sequences``, ``do_sample``/``temperature``/``top_k``/``top_p`` and other logits
         processors (applied to the word distribution; ``<eod>`` plays the EOS role for e.g. ``min_new_tokens``),
-        ``length_penalty``, ``early_stopping``, ``output_scores``, ``output_attentions``, ``output_hidden_states``
-        and ``return_dict_in_generate``; ``inputs_embeds`` may replace ``input_ids``. Returns the sequences in
-        reading order (``<s> … </s>``, padded), or an :class:`InDIGOGenerateOutput`; with
-        ``return_insertion_trace=True`` the output is always the dataclass with ``insertion_trace`` filled in.
+        ``length_penalty``, ``early_stopping``, ``output_scores``, ``output_logits``, ``output_attentions``,
+        ``output_hidden_states`` and ``return_dict_in_generate``; ``inputs_embeds`` may replace ``input_ids``.
+        ``stopping_criteria`` (and ``max_time``) see the insertion sequence (``<s> </s>`` then the words in
+        generation order) after every insertion and end the rows they flag; ``prefix_allowed_tokens_fn`` sees the
+        same sequence; a ``streamer`` (greedy and sampling) receives ``<s> </s>``, then each step's inserted word
+        (``<eod>`` when a row ends, ``<pad>`` after), in generation order. Left-to-right-only options
+        (``LEFT_TO_RIGHT_ONLY_OPTIONS``, ``assistant_model``, ``synced_gpus``, ``decoder_input_ids``) are refused
+        by name. Returns the sequences in reading order (``<s> … </s>``, padded), or an
+        :class:`InDIGOGenerateOutput`; with ``return_insertion_trace=True`` the output is always the dataclass with
+        ``insertion_trace`` filled in.
         """
         check_generate_arguments(self, input_ids, generation_config, kwargs)
         start = kwargs.get("decoder_start_token_id")
@@ -204,6 +286,13 @@ class InsertionDecoding:
             raise ValueError(
                 f"num_return_sequences={num_return} needs do_sample=True or num_beams >= {num_return} (got {num_beams})"
             )
+        if streamer is not None and num_beams > 1:
+            raise ValueError("InDIGO generate(): streamer cannot be used with beam search (num_beams > 1), as in "
+                             "Transformers: the beams' words are not final until the search ends")
+        criteria = StoppingCriteriaList()
+        if generation_config.max_time is not None:
+            criteria.append(MaxTimeCriteria(generation_config.max_time))
+        criteria.extend(stopping_criteria or [])
         steps = DecoderSteps.wanted(generation_config)
         encoder_outputs = self._encode(
             input_ids, attention_mask, encoder_outputs, inputs_embeds,
@@ -217,18 +306,19 @@ class InsertionDecoding:
             input_ids_seq_length=2,
             encoder_input_ids=input_ids,
             logits_processor=logits_processor,
+            prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
             device=encoder_states.device,
         )
         with_trace = return_insertion_trace or bool(generation_config.return_dict_in_generate)
         if num_beams > 1:
             result = self._beam_search(encoder_states, attention_mask, generation_config, processors, max_steps,
-                                       with_trace, steps)
+                                       with_trace, steps, criteria)
         else:
             if num_return > 1:
                 encoder_states = encoder_states.repeat_interleave(num_return, 0)
                 attention_mask = attention_mask.repeat_interleave(num_return, 0) if attention_mask is not None else None
             result = self._greedy_or_sample(encoder_states, attention_mask, generation_config, processors, max_steps,
-                                            with_trace, steps)
+                                            with_trace, steps, criteria, streamer)
         if steps is not None:
             fields = {
                 "encoder_attentions": encoder_outputs.attentions,
@@ -257,19 +347,24 @@ class InsertionDecoding:
         return last, cache
 
     def _greedy_or_sample(
-        self, encoder_states, encoder_mask, generation_config, processors, max_steps, with_trace, steps=None
+        self, encoder_states, encoder_mask, generation_config, processors, max_steps, with_trace, steps=None,
+        criteria=None, streamer=None,
     ):
         config = self.config
         rows = encoder_states.shape[0]
         device = encoder_states.device
         state = self._new_state(rows, max_steps, encoder_states)
         last, cache = self._start(state, encoder_states, encoder_mask, steps)
+        if streamer is not None:
+            streamer.put(state.tokens[:, :2].cpu())
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
         lengths = torch.full((rows,), 2, dtype=torch.long, device=device)
         total_log_prob = torch.zeros(rows, device=device)
-        step_scores = []
+        step_scores, step_logits, position_scores = [], [], []
         for _ in range(max_steps):
             logits = self._decoding_word_logits(last)
+            if generation_config.output_logits:
+                step_logits.append(logits)
             scores = processors(state.tokens[:, : state.length], logits)
             if generation_config.output_scores:
                 step_scores.append(scores)
@@ -278,11 +373,14 @@ class InsertionDecoding:
             else:
                 words = scores.argmax(-1)
             words = words.masked_fill(finished, config.pad_token_id)
+            if streamer is not None:
+                streamer.put(words.cpu())
             if with_trace:  # sequences_scores are only returned with the dict output
                 word_log_prob = scores.log_softmax(-1).gather(1, words[:, None]).squeeze(1)
                 total_log_prob += torch.where(finished, 0.0, word_log_prob)
             finished = finished | words.eq(config.eod_token_id)
             if bool(finished.all()):
+                position_scores.append(torch.zeros(rows, device=device))
                 break
             gaps, reading = self._position_log_probs(self.pointer_query(last, words)[:, None, :], state)
             gaps = gaps[:, 0]
@@ -290,21 +388,33 @@ class InsertionDecoding:
                 gap = torch.multinomial(gaps.exp().clamp(min=0), 1).squeeze(1)
             else:
                 gap = gaps.argmax(-1)
+            gap_log_prob = torch.where(finished, 0.0, gaps.gather(1, gap[:, None]).squeeze(1))
+            position_scores.append(gap_log_prob)
             if with_trace:
-                total_log_prob += torch.where(finished, 0.0, gaps.gather(1, gap[:, None]).squeeze(1))
+                total_log_prob += gap_log_prob
             anchors = reading.gather(1, gap[:, None]).squeeze(1)
             sides = torch.full_like(anchors, RIGHT)
             tokens = torch.where(finished, config.pad_token_id, words)
             lengths += (~finished).long()
             relation_row = state.insert(tokens, anchors, sides)
+            if criteria:  # Transformers' rule: a criterion ends the rows it flags once their new token is in
+                finished = finished | criteria(state.tokens[:, : state.length], scores).to(device)
+                if bool(finished.all()):
+                    break
             last, cache = self._decode_step(
                 tokens[:, None], relation_row, encoder_states, encoder_mask, cache, state, steps
             )
-        return self._finalize(state.tokens, state.relations, state.anchors, state.sides, lengths, total_log_prob,
-                              tuple(step_scores) if step_scores else None, with_trace)
+        if streamer is not None:
+            streamer.end()
+        result = self._finalize(state.tokens, state.relations, state.anchors, state.sides, lengths, total_log_prob,
+                                tuple(step_scores) if step_scores else None, with_trace)
+        result.logits = tuple(step_logits) if step_logits else None
+        result.position_scores = torch.stack(position_scores, 1) if position_scores else None
+        return result
 
     def _beam_search(
-        self, encoder_states, encoder_mask, generation_config, processors, max_steps, with_trace, steps=None
+        self, encoder_states, encoder_mask, generation_config, processors, max_steps, with_trace, steps=None,
+        criteria=None,
     ):
         config = self.config
         batch = encoder_states.shape[0]
@@ -325,16 +435,30 @@ class InsertionDecoding:
         done = [False] * batch
         offsets = torch.arange(batch, device=device).repeat_interleave(beams) * beams
         dim = last.shape[-1]
+        # Per live hypothesis and step: the row of that step's scores it descends from, and its gap's log-probability
+        beam_history = torch.full((rows, max_steps), -1, dtype=torch.long, device=device)
+        position_history = torch.zeros(rows, max_steps, device=device)
+        step_scores, step_logits = [], []
+        step = -1
 
-        def snapshot(row: int, score: float, generated: int) -> tuple:
-            """(length-normalised score, raw score, tokens, relations, anchors, sides) of one hypothesis."""
+        def snapshot(row: int, score: float, generated: int, last_origin: int | None = None) -> tuple:
+            """(length-normalised score, raw score, tokens, relations, anchors, sides, beam indices, position
+            scores) of one hypothesis; `last_origin`: the row its <eod> was chosen from this step."""
             n = state.length
+            history = beam_history[row].clone()
+            if last_origin is not None:
+                history[step] = last_origin
             return (score / generated**length_penalty, score, state.tokens[row, :n].clone(),
-                    state.relations[row, :n, :n].clone(), state.anchors[row, :n].clone(), state.sides[row, :n].clone())
+                    state.relations[row, :n, :n].clone(), state.anchors[row, :n].clone(), state.sides[row, :n].clone(),
+                    history, position_history[row].clone())
 
-        for _ in range(max_steps):
+        for step in range(max_steps):
             logits = self._decoding_word_logits(last)
+            if generation_config.output_logits:
+                step_logits.append(logits)
             word_log_probs = processors(state.tokens[:, : state.length], logits.log_softmax(-1)).log_softmax(-1)
+            if generation_config.output_scores:
+                step_scores.append(word_log_probs)
             # Step 1 of the two-step search (Sec. 4.3): the best `beams` words of every hypothesis ...
             top_word_scores, top_words = word_log_probs.topk(beams, dim=-1)
             is_eod = top_words.eq(config.eod_token_id)
@@ -353,7 +477,9 @@ class InsertionDecoding:
                 if done[sentence]:
                     continue
                 row = sentence * beams + flat // beams
-                finished[sentence].append(snapshot(row, float(eod_scores[sentence, flat]), state.length - 1))
+                finished[sentence].append(
+                    snapshot(row, float(eod_scores[sentence, flat]), state.length - 1, last_origin=row)
+                )
             for sentence in range(batch):
                 if done[sentence]:
                     continue
@@ -372,12 +498,27 @@ class InsertionDecoding:
             gap = (top_index % n_gaps).view(-1, 1)
             words = top_words[origin, word_slot]
             anchors = reading[origin].gather(1, gap).squeeze(1)
+            gap_log_probs = gaps[origin, word_slot].gather(1, gap).squeeze(1)
             beam_scores = top_scores.view(-1).masked_fill(
                 torch.tensor(done, device=device).repeat_interleave(beams), float("-inf")
             )
+            beam_history, position_history = beam_history[origin], position_history[origin]
+            beam_history[:, step] = origin
+            position_history[:, step] = gap_log_probs
             cache.reorder_cache(origin)
             state.reorder(origin)
             relation_row = state.insert(words, anchors, torch.full_like(anchors, RIGHT))
+            if criteria:  # a flagged hypothesis ends here, as one that ran out of steps (Transformers' rule)
+                stopped = criteria(state.tokens[:, : state.length], word_log_probs).to(device)
+                for row in torch.nonzero(stopped & torch.isfinite(beam_scores)).flatten().tolist():
+                    finished[row // beams].append(snapshot(row, float(beam_scores[row]), state.length - 2))
+                beam_scores = beam_scores.masked_fill(stopped, float("-inf"))
+                for sentence in range(batch):
+                    if not done[sentence] and not bool(torch.isfinite(beam_scores.view(batch, beams)[sentence]).any()):
+                        finished[sentence].sort(key=lambda item: -item[0])
+                        done[sentence] = True
+                if all(done):
+                    break
             last, cache = self._decode_step(
                 words[:, None], relation_row, encoder_states, encoder_mask, cache, state, steps
             )
@@ -398,12 +539,64 @@ class InsertionDecoding:
         anchors = torch.full((count, width), -1, dtype=torch.long, device=device)
         sides = torch.zeros(count, width, dtype=torch.long, device=device)
         lengths = torch.zeros(count, dtype=torch.long, device=device)
-        for index, (_, _, hyp_tokens, hyp_relations, hyp_anchors, hyp_sides) in enumerate(selected):
+        for index, (_, _, hyp_tokens, hyp_relations, hyp_anchors, hyp_sides, _, _) in enumerate(selected):
             n = len(hyp_tokens)
             tokens[index, :n], relations[index, :n, :n] = hyp_tokens, hyp_relations
             anchors[index, :n], sides[index, :n], lengths[index] = hyp_anchors, hyp_sides, n
         scores = torch.tensor([item[0] for item in selected], device=device)
-        return self._finalize(tokens, relations, anchors, sides, lengths, scores, None, with_trace)
+        result = self._finalize(tokens, relations, anchors, sides, lengths, scores,
+                                tuple(step_scores) if step_scores else None, with_trace)
+        steps_run = step + 1
+        result.logits = tuple(step_logits) if step_logits else None
+        result.beam_indices = torch.stack([item[6][:steps_run] for item in selected])
+        result.position_scores = torch.stack([item[7][:steps_run] for item in selected])
+        return result
+
+    def compute_transition_scores(
+        self, sequences: torch.Tensor, scores: tuple, beam_indices: torch.Tensor | None = None,
+        normalize_logits: bool = False,
+    ) -> torch.Tensor:
+        """Transformers' ``compute_transition_scores`` for insertion decoding: ``[sequences, steps]``, the score (in
+        ``scores``) of the word each step chose — each inserted word, then the ``<eod>`` that ended the hypothesis;
+        0 after its end. ``sequences`` must be the output's ``insertion_ids`` (generation order), not its reading-order
+        ``sequences``; ``beam_indices`` as returned by beam search. The whole step's log-probability adds the
+        output's ``position_scores`` (the gap's, Eq. 11): with ``normalize_logits=True`` in greedy decoding, and
+        as given in beam search, their sum is ``sequences_scores`` (times ``length ** length_penalty`` for beams).
+        Without ``beam_indices``, a row with fewer words than steps reads its next step as ``<eod>`` (a row that a
+        stopping criterion ended has none)."""
+        config = self.config
+        if (
+            sequences.dim() != 2
+            or sequences.shape[1] < 2
+            or not (sequences[:, 0].eq(config.bos_token_id).all() and sequences[:, 1].eq(config.eos_token_id).all())
+        ):
+            raise ValueError(
+                "InDIGO compute_transition_scores(): pass the generate output's insertion_ids (generation order: <s> "
+                "</s>, then the words as they were inserted), not its sequences (reading order, where a step's word "
+                "has no fixed place)"
+            )
+        steps, rows = len(scores), sequences.shape[0]
+        words = sequences[:, 2:]
+        word_counts = words.ne(config.pad_token_id).sum(-1)
+        if beam_indices is None:
+            beam_indices = torch.arange(scores[0].shape[0], device=sequences.device)[:, None].expand(-1, steps)
+            step_counts = torch.clamp(word_counts + 1, max=steps)
+        else:
+            beam_indices = beam_indices[:, :steps]
+            step_counts = beam_indices.ge(0).sum(-1)
+        tokens = torch.full((rows, steps), config.eod_token_id, dtype=torch.long, device=sequences.device)
+        width = min(words.shape[1], steps)
+        tokens[:, :width] = torch.where(
+            torch.arange(width, device=sequences.device)[None] < word_counts[:, None], words[:, :width],
+            config.eod_token_id,
+        )
+        stacked = torch.stack(scores, 1).float()  # [rows of scores, steps, V]
+        if normalize_logits:
+            stacked = stacked.log_softmax(-1)
+        in_hypothesis = torch.arange(steps, device=sequences.device)[None] < step_counts[:, None]
+        step_index = torch.arange(steps, device=sequences.device)[None].expand(rows, -1)
+        chosen = stacked[beam_indices.clamp(min=0), step_index, tokens]
+        return chosen.masked_fill(~in_hypothesis, 0.0)
 
     # ---- outputs --------------------------------------------------------------------------------------------
     def _finalize(self, tokens, relations, anchors, sides, lengths, scores, step_scores, with_trace):

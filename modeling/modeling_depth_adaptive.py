@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, can_return_tuple
 
 from flexformers.configuration.configuration_depth_adaptive import (
     EXIT_STRATEGIES,
@@ -27,7 +27,7 @@ from flexformers.configuration.configuration_depth_adaptive import (
     validate_exit_thresholds,
 )
 
-from .cpu_kernels import VocabularyProjection
+from .cpu_kernels import project_vocabulary
 from .depth_adaptive_cache import CopiedStateCache
 from .depth_adaptive_decoder import BlockOutputs, DepthAdaptiveDecoder, ExitDecider, ExitSettings
 from .depth_adaptive_equations import (
@@ -204,7 +204,7 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
         if config.exit_classifiers == "independent":
             self.exit_classifiers = nn.ModuleList(
                 [
-                    VocabularyProjection(config.decoder_embed_dim, config.decoder_vocab_size, bias=False)
+                    nn.Linear(config.decoder_embed_dim, config.decoder_vocab_size, bias=False)
                     for _ in range(num_exits - 1)
                 ]
             )
@@ -239,7 +239,7 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
 
     def classify(self, block: int, states: torch.Tensor) -> torch.Tensor:
         """Logits W_n h^n_t of Eq. 3."""
-        return self.exit_classifier(block)(self.model.decoder.finalize(states))
+        return project_vocabulary(self.exit_classifier(block), self.model.decoder.finalize(states))
 
     def vocabulary_projections(self) -> list[nn.Module]:
         """C_1 … C_N (Eq. 3), each once: `resize_token_embeddings` resizes them all."""
@@ -248,7 +248,9 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
     def classify_by_exit(self, states: torch.Tensor, exits: torch.Tensor) -> torch.Tensor:
         """Logits of each position's own exit classifier: ``states [b, T, d]``, ``exits [b, T]`` → ``[b, T, V]``."""
         if self.exit_classifiers is None:
-            return self.lm_head(self.model.decoder.finalize(states))
+            return project_vocabulary(self.lm_head, self.model.decoder.finalize(states))
+        if torch.compiler.is_exporting():
+            return self._classify_by_exit_masked(states, exits)
         present = torch.unique(exits).tolist()
         if len(present) == 1:
             return self.classify(int(present[0]), states)
@@ -259,6 +261,16 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
             positions = torch.nonzero(flat_exits == block).squeeze(-1)
             logits = logits.index_copy(0, positions, self.classify(int(block), flat_states.index_select(0, positions)))
         return logits.view(*exits.shape, -1)
+
+    def _classify_by_exit_masked(self, states: torch.Tensor, exits: torch.Tensor) -> torch.Tensor:
+        """``classify_by_exit`` with tensor operations only, for ``torch.export``: the grouping above reads the exits
+        on the host (data-dependent control flow an exported graph cannot hold), so here every classifier runs on
+        every position and each position keeps its own exit's logits (N classifier calls instead of one per exit
+        present)."""
+        logits = self.classify(self.num_exits, states)
+        for block in range(1, self.num_exits):
+            logits = torch.where((exits == block).unsqueeze(-1), self.classify(block, states), logits)
+        return logits
 
     # -- exit settings --------------------------------------------------------------------------------------------
 
@@ -299,6 +311,7 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
 
     # -- forward --------------------------------------------------------------------------------------------------
 
+    @can_return_tuple
     @accepts_cache_argument
     def forward(
         self,
@@ -326,7 +339,6 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
     ) -> DepthAdaptiveSeq2SeqLMOutput | tuple:
         """See the class docstring. `output_hidden_states` / `output_attentions` return the blocks the pass runs
         (see `BlockOutputs`): above a position's exit, its copied state and zero attention weights."""
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
         for key in ("cache_position", "position_ids", "decoder_position_ids"):
             kwargs.pop(key, None)
         if kwargs:
@@ -366,6 +378,9 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
             "encoder_hidden_states": encoder_states,
             "encoder_attention_mask": padding_mask(attention_mask, hidden_states.dtype),
         }
+        # The decoder's outputs are collected by `BlockOutputs`, not by Transformers' `capture_outputs` hooks (the
+        # encoder's are): above a position's exit the pass reports its copied state and zero weights, which no block
+        # returns, and an early-exit step runs the upper blocks' sub-layers on row subsets only.
         record = BlockOutputs.wanted(output_hidden_states, output_attentions)
         if labels is not None and token_exits is None:
             fields = self._training_forward(
@@ -408,7 +423,7 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
             encoder_hidden_states=encoder_outputs.hidden_states,
             encoder_attentions=encoder_outputs.attentions,
         )
-        return output if return_dict else output.to_tuple()
+        return output
 
     def _token_denominator(self, labels, num_items_in_batch):
         if num_items_in_batch is not None:

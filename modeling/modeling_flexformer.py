@@ -12,7 +12,9 @@ Every method of the zoo extends this file at a named seam (see docs/ARCHITECTURE
 
 from __future__ import annotations
 
+import functools
 import math
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,17 +31,29 @@ from transformers.modeling_outputs import (
     Seq2SeqModelOutput,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import logging
+from transformers.utils import can_return_tuple, logging
+from transformers.utils.output_capturing import (
+    _CAN_RECORD_REGISTRY,
+    OutputRecorder,
+    _active_collector,
+    capture_outputs,
+)
 
 from flexformers.configuration.configuration_flexformer import FlexformerConfig
 
 from .backbone_blocks import FlexformerDecoderLayer, FlexformerEncoderLayer
-from .branch_merge import BranchMergeLinear, init_branched_linear
+from .branch_merge import (
+    checkpoint_in_current_layout,
+    init_branched_linear,
+    merge_branches,
+    merge_projection,
+    upgrade_merge_bias_on_load,
+)
 from .cpu_kernels import (
-    PrepackedLinear,
-    VocabularyProjection,
     dropout,
     fused_linears,
+    project,
+    project_vocabulary,
 )
 from .generation_hooks import FlexformerGenerationMixin
 from .kv_caches import (
@@ -105,7 +119,7 @@ def eager_attention_forward(
 class FlexformerAttention(nn.Module):
     """fairseq's multi-head attention, generalised to `num_branches` parallel attentions (MAT) computed fused:
     q/k/v are `Linear(d, B*d)` (branch b = rows `b*d:(b+1)*d`), all `B*M` heads go through one attention call,
-    and the branches are merged by `out_proj` (a `BranchMergeLinear`). With B = 1 this is exactly fairseq's
+    and the branches are merged by `out_proj` (`merge_branches`). With B = 1 this is exactly fairseq's
     `MultiheadAttention` (same parameters, same function).
     """
 
@@ -135,10 +149,12 @@ class FlexformerAttention(nn.Module):
         self.is_cross_attention = is_cross_attention
         self.is_causal = is_causal
         self.layer_idx = layer_idx
-        self.q_proj = PrepackedLinear(embed_dim, num_branches * embed_dim)
-        self.k_proj = PrepackedLinear(self.kdim, num_branches * embed_dim)
-        self.v_proj = PrepackedLinear(self.kdim, num_branches * embed_dim)
-        self.out_proj = BranchMergeLinear(num_branches, embed_dim, embed_dim)
+        # Plain `nn.Linear`s (quantizers and adapters match the exact type); the CPU speed-ups are at the call sites.
+        self.q_proj = nn.Linear(embed_dim, num_branches * embed_dim)
+        self.k_proj = nn.Linear(self.kdim, num_branches * embed_dim)
+        self.v_proj = nn.Linear(self.kdim, num_branches * embed_dim)
+        self.out_proj, self.out_proj_branch_bias = merge_projection(num_branches, embed_dim, embed_dim)
+        self.register_load_state_dict_pre_hook(upgrade_merge_bias_on_load)
 
     # ---- seams ------------------------------------------------------------------------------------------------
     def relative_position_bias(self, query_states: torch.Tensor, rows: torch.Tensor | None = None, **kwargs):
@@ -164,7 +180,7 @@ class FlexformerAttention(nn.Module):
 
     def project_key_value(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values `[batch, heads, length, head_dim]` of `states`, without attending."""
-        return self._split_heads(self.k_proj(states)), self._split_heads(self.v_proj(states))
+        return self._split_heads(project(self.k_proj, states)), self._split_heads(project(self.v_proj, states))
 
     def _cross_key_value(self, encoder_states, past_key_values, rows, **kwargs):
         """Cross-attention keys/values for the rows (all rows if `rows` is None). With a `SourceGroupedCache`
@@ -215,7 +231,7 @@ class FlexformerAttention(nn.Module):
         batch, q_len, _ = hidden_states.shape
         past_length = 0
         if self.is_cross_attention:
-            query = self._split_heads(self.q_proj(hidden_states))
+            query = self._split_heads(project(self.q_proj, hidden_states))
             key, value = self._cross_key_value(key_value_states, past_key_values, rows, **kwargs)
         else:
             query, key, value = (
@@ -271,7 +287,9 @@ class FlexformerAttention(nn.Module):
         if head_weights is not None:
             output = output * head_weights.view(-1, 1, self.total_heads, 1)
         output = output.reshape(batch, q_len, self.num_branches, self.embed_dim)
-        output = self.out_proj(output, self.branch_weights(batch, output.device, output.dtype))
+        output = merge_branches(
+            self.out_proj, self.out_proj_branch_bias, output, self.branch_weights(batch, output.device, output.dtype)
+        )
         return output, (weights if output_attentions else None)
 
 
@@ -285,18 +303,21 @@ class FlexformerFeedForward(nn.Module):
         self.ffn_dim = ffn_dim
         self.activation_fn = ACT2FN[config.activation_function]
         self.activation_dropout = config.activation_dropout
-        self.fc1 = PrepackedLinear(embed_dim, num_branches * ffn_dim)
-        self.fc2 = BranchMergeLinear(num_branches, ffn_dim, embed_dim)
+        self.fc1 = nn.Linear(embed_dim, num_branches * ffn_dim)
+        self.fc2, self.fc2_branch_bias = merge_projection(num_branches, ffn_dim, embed_dim)
+        self.register_load_state_dict_pre_hook(upgrade_merge_bias_on_load)
 
     def branch_weights(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
         """Merge weights `[B]` or `[batch, B]`; None = the average 1/B. MAT overrides it (drop-branch, Eq. 7)."""
         return None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        inner = self.activation_fn(self.fc1(hidden_states))
+        inner = self.activation_fn(project(self.fc1, hidden_states))
         inner = dropout(inner, self.activation_dropout, self.training)
         inner = inner.view(*hidden_states.shape[:-1], self.num_branches, self.ffn_dim)
-        return self.fc2(inner, self.branch_weights(hidden_states.shape[0], inner.device, inner.dtype))
+        return merge_branches(
+            self.fc2, self.fc2_branch_bias, inner, self.branch_weights(hidden_states.shape[0], inner.device, inner.dtype)
+        )
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -327,15 +348,56 @@ def _layerdrop_skips(module: nn.Module, layerdrop: float) -> bool:
     return module.training and layerdrop > 0.0 and bool(torch.rand([]) < layerdrop)
 
 
+def _collection_under_way() -> bool:
+    """Whether a `capture_outputs` collection is active. While compiling, Transformers' `CompileableContextVar`
+    keeps the collector in a plain global (Dynamo cannot trace `ContextVar.get`), so that is read instead."""
+    if torch.compiler.is_compiling():
+        return _active_collector.global_var is not None
+    return _active_collector.get() is not None
+
+
+def records_block_outputs(forward: Callable) -> Callable:
+    """Transformers' `capture_outputs` for a stack's `forward` (what BART's encoder and decoder use): the hidden
+    states and attention weights named in the stack's `_can_record_outputs` are collected by forward hooks on its
+    blocks (installed the first time they are asked for), and `return_dict=False` gives the tuple. Unlike a
+    `PreTrainedModel`'s, a stack's `return_dict` defaults to True whatever `config.return_dict` says: the models
+    read its fields by name."""
+    recording = capture_outputs(forward)
+
+    @functools.wraps(recording)
+    def forward_returning_output_objects(self, *args, return_dict: bool = True, **kwargs):
+        if (
+            kwargs.get("output_attentions", True) is False
+            and kwargs.get("output_hidden_states", True) is False
+            and not _collection_under_way()
+        ):
+            # Nothing asked for and no collection under way (every decoding step: the models pass both flags
+            # resolved): nothing to record, so `capture_outputs`' look-ups of the config's defaults (~5 config reads,
+            # tens of µs a call on CPU) are skipped.
+            output = forward(self, *args, **kwargs)
+            return output if return_dict else output.to_tuple()
+        return recording(self, *args, return_dict=return_dict, **kwargs)
+
+    return forward_returning_output_objects
+
+
 class _TransformerStack(nn.Module):
     """What fairseq's encoder and decoder share: scaled token embeddings + positions (+ optional LayerNorm) →
     dropout, a stack of blocks, and a final LayerNorm for pre-norm."""
 
     side: str = ""
     input_name: str = "input_ids"
+    #: What `output_hidden_states` / `output_attentions` collect, for Transformers' `capture_outputs` (as BART's
+    #: stacks declare it). The recorders sit on the blocks, not on the attention modules: a block's weights are whole
+    #: only once it returns them — IOT's per-row orders run an attention once per row group, and the block puts
+    #: the groups' weights together.
+    _can_record_outputs: dict = {}
 
     def __init__(self, config: FlexformerConfig, embed_tokens: nn.Embedding, components: BackboneComponents):
         super().__init__()
+        # `capture_outputs` looks the recorders up by class in Transformers' registry, which a `PreTrainedModel`
+        # fills when built; a stack is a plain module, so it registers its own.
+        _CAN_RECORD_REGISTRY[self] = self._can_record_outputs
         self.config = config
         dim = getattr(config, f"{self.side}_embed_dim")
         self.padding_idx = config.pad_token_id
@@ -386,6 +448,10 @@ class FlexformerEncoder(_TransformerStack):
     """fairseq's `TransformerEncoder`: scaled token embeddings + positions → dropout → blocks → (pre-norm) LayerNorm."""
 
     side = "encoder"
+    _can_record_outputs = {
+        "hidden_states": OutputRecorder(FlexformerEncoderLayer, index=0, num_hidden_layers_key="encoder_layers"),
+        "attentions": OutputRecorder(FlexformerEncoderLayer, index=1),
+    }
 
     def embed(
         self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None = None,
@@ -394,41 +460,34 @@ class FlexformerEncoder(_TransformerStack):
         """Scaled token embeddings (of `input_ids`, or the given unscaled `inputs_embeds`) + positions."""
         return self._embed(input_ids, inputs_embeds, 0, attention_mask=attention_mask)
 
+    @records_block_outputs
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         sublayer_order=None,
-        output_attentions: bool = False,
-        output_hidden_states: bool = False,
-        return_dict: bool = True,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | list[int] | None = None,
     ) -> BaseModelOutput:
+        """The encoder's states; `output_hidden_states` / `output_attentions` (collected by `capture_outputs`, see
+        `_can_record_outputs`): the embeddings and every block's output (the last one through the final LayerNorm),
+        every block's self-attention weights."""
+        if output_attentions is None:
+            output_attentions = self.config.output_attentions
         if attention_mask is None and input_ids is not None:
             attention_mask = input_ids.ne(self.padding_idx).long()
         hidden_states = self.embed(input_ids, inputs_embeds, attention_mask)
         mask = padding_mask(attention_mask, hidden_states.dtype)
-        all_hidden, all_attentions = [], []
         for layer in self.layers:
-            if output_hidden_states:
-                all_hidden.append(hidden_states)
             if _layerdrop_skips(self, self.layerdrop):
                 continue
-            hidden_states, weights = layer(
+            hidden_states, _ = layer(
                 hidden_states, attention_mask=mask, sublayer_order=sublayer_order, output_attentions=output_attentions
             )
-            if output_attentions:
-                all_attentions.append(weights)
         if self.layer_norm is not None:
             hidden_states = self.layer_norm(hidden_states)
-        if output_hidden_states:
-            all_hidden.append(hidden_states)
-        output = BaseModelOutput(
-            last_hidden_state=hidden_states,
-            hidden_states=tuple(all_hidden) if output_hidden_states else None,
-            attentions=tuple(all_attentions) if output_attentions else None,
-        )
-        return output if return_dict else output.to_tuple()
+        return BaseModelOutput(last_hidden_state=hidden_states)
 
 
 class FlexformerDecoder(_TransformerStack):
@@ -440,6 +499,11 @@ class FlexformerDecoder(_TransformerStack):
 
     side = "decoder"
     input_name = "decoder_input_ids"
+    _can_record_outputs = {
+        "hidden_states": OutputRecorder(FlexformerDecoderLayer, index=0, num_hidden_layers_key="decoder_layers"),
+        "attentions": OutputRecorder(FlexformerDecoderLayer, index=1),
+        "cross_attentions": OutputRecorder(FlexformerDecoderLayer, index=2),
+    }
 
     def embed(
         self, input_ids: torch.Tensor | None, past_length: int | torch.Tensor = 0, inputs_embeds=None,
@@ -497,6 +561,8 @@ class FlexformerDecoder(_TransformerStack):
         """The pre-norm stack's final LayerNorm (identity for post-norm)."""
         return hidden_states if self.layer_norm is None else self.layer_norm(hidden_states)
 
+    @records_block_outputs
+    @accepts_cache_argument
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -507,11 +573,15 @@ class FlexformerDecoder(_TransformerStack):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool = False,
         sublayer_order=None,
-        output_attentions: bool = False,
-        output_hidden_states: bool = False,
-        return_dict: bool = True,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | list[int] | None = None,
         **attention_kwargs,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
+        """The decoder's states (and cache, with `use_cache`); `output_hidden_states` / `output_attentions` (collected
+        by `capture_outputs`, see `_can_record_outputs`): the embeddings and every block's output (the last one through
+        the final LayerNorm), every block's self- and cross-attention weights."""
+        if output_attentions is None:
+            output_attentions = self.config.output_attentions
         if use_cache and past_key_values is None:
             past_key_values = new_decoder_cache(self.config)
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
@@ -524,14 +594,11 @@ class FlexformerDecoder(_TransformerStack):
             batch, q_len, past_length, attention_mask, hidden_states.dtype, hidden_states.device, key_length=capacity
         )
         cross_mask = padding_mask(encoder_attention_mask, hidden_states.dtype)
-        all_hidden, all_self, all_cross = [], [], []
         for idx in range(len(self.layers)):
-            if output_hidden_states:
-                all_hidden.append(hidden_states)
             # LayerDrop only while training, where no cache is kept (a skipped layer's cache would fall behind).
             if past_key_values is None and _layerdrop_skips(self, self.layerdrop):
                 continue
-            hidden_states, self_weights, cross_weights = self.run_layer(
+            hidden_states, _, _ = self.run_layer(
                 idx,
                 hidden_states,
                 attention_mask=self_mask,
@@ -542,20 +609,10 @@ class FlexformerDecoder(_TransformerStack):
                 output_attentions=output_attentions,
                 **attention_kwargs,
             )
-            if output_attentions:
-                all_self.append(self_weights)
-                all_cross.append(cross_weights)
         hidden_states = self.finalize(hidden_states)
-        if output_hidden_states:
-            all_hidden.append(hidden_states)
-        output = BaseModelOutputWithPastAndCrossAttentions(
-            last_hidden_state=hidden_states,
-            **cache_field(past_key_values if use_cache else None),
-            hidden_states=tuple(all_hidden) if output_hidden_states else None,
-            attentions=tuple(all_self) if output_attentions else None,
-            cross_attentions=tuple(all_cross) if output_attentions else None,
+        return BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=hidden_states, **cache_field(past_key_values if use_cache else None)
         )
-        return output if return_dict else output.to_tuple()
 
 
 @dataclass(frozen=True)
@@ -581,6 +638,13 @@ class BackboneComponents:
 def _needs_init(tensor) -> bool:
     """Whether `_init_weights` should set ``tensor``: it exists and `from_pretrained` did not load it."""
     return tensor is not None and not getattr(tensor, "_is_hf_initialized", False)
+
+
+def _init_branch_biases(branch_biases: torch.Tensor | None) -> None:
+    """The per-branch biases of a multi-branch merge (`merge_projection`) start at zero, as fairseq's output
+    projections' biases; its weight is initialised as a Linear, one branch's block at a time."""
+    if _needs_init(branch_biases):
+        nn.init.zeros_(branch_biases)
 
 
 def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
@@ -617,7 +681,14 @@ class FlexformerPreTrainedModel(PreTrainedModel):
         matches."""
         if kwargs.get("config") is None and pretrained_model_name_or_path is not None:
             cls._check_checkpoint_model_type(pretrained_model_name_or_path, kwargs)
-        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        # A folder saved before the branch merges became plain `nn.Linear`s loads through an upgraded copy.
+        with tempfile.TemporaryDirectory(prefix="flexformers-upgrade-") as workspace:
+            folder = checkpoint_in_current_layout(pretrained_model_name_or_path, workspace)
+            model = super().from_pretrained(folder, *model_args, **kwargs)
+            if folder != pretrained_model_name_or_path:
+                loaded = model[0] if isinstance(model, tuple) else model
+                loaded.name_or_path = loaded.config._name_or_path = str(pretrained_model_name_or_path)
+            return model
 
     @classmethod
     def _check_checkpoint_model_type(cls, pretrained_model_name_or_path, kwargs) -> None:
@@ -649,28 +720,23 @@ class FlexformerPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module):
-        """fairseq's initialisation: xavier-uniform projections (q/k/v with gain 1/√2, as fairseq's
-        `MultiheadAttention`; FFN and output projections with zero biases), token embeddings N(0, d^-0.5) with a
-        zero padding row, LayerNorm (1, 0)."""
+        """fairseq's initialisation, but for q/k/v: xavier-uniform projections with zero biases (a multi-branch
+        merge per branch), token embeddings N(0, d^-0.5) with a zero padding row, LayerNorm (1, 0), an untied output
+        layer N(0, d^-0.5).
+
+        Known deviation: fairseq's `MultiheadAttention` draws q/k/v with gain 1/√2 and keeps `nn.Linear`'s uniform
+        biases; here they get gain 1 and zero biases, as every model trained so far (the zoo's included) did —
+        Transformers never visited the attention-level code that meant to do it. Changing it changes what every
+        seeded model draws, so it is left to the fidelity work, not done silently."""
         # Each tensor is checked on its own: a checkpoint may hold a projection's weight but lack its bias, which
         # must then start as fairseq's, not as the uninitialised memory `from_pretrained` allocated for it.
         if isinstance(module, FlexformerAttention):
-            for projection in (module.q_proj, module.k_proj, module.v_proj):
-                if _needs_init(projection.weight):
-                    init_branched_linear(projection.weight, module.num_branches, module.embed_dim, 0, 2**-0.5)
-                if _needs_init(projection.bias):
-                    bound = 1.0 / math.sqrt(projection.in_features)
-                    nn.init.uniform_(projection.bias, -bound, bound)  # fairseq leaves nn.Linear's default bias
+            # Transformers visits a layer of these (remote-code) classes only when it holds parameters of its own:
+            # a multi-branch layer's per-branch merge biases. Its projections are initialised on their own visits,
+            # as Linears, like every layer's (re-initialising them here would change what a seeded model draws).
+            _init_branch_biases(module.out_proj_branch_bias)
         elif isinstance(module, FlexformerFeedForward):
-            if _needs_init(module.fc1.weight):
-                init_branched_linear(module.fc1.weight, module.num_branches, module.ffn_dim, 0, 1.0)
-            if _needs_init(module.fc1.bias):
-                nn.init.zeros_(module.fc1.bias)
-        elif isinstance(module, BranchMergeLinear):
-            if _needs_init(module.weight):
-                init_branched_linear(module.weight, module.num_branches, module.in_features, 1, 1.0)
-            if _needs_init(module.bias):
-                nn.init.zeros_(module.bias)
+            _init_branch_biases(module.fc2_branch_bias)
         elif isinstance(module, LearnedPositionalEmbedding):
             if _needs_init(module.weight):
                 nn.init.normal_(module.weight, mean=0.0, std=module.embedding_dim**-0.5)
@@ -685,6 +751,9 @@ class FlexformerPreTrainedModel(PreTrainedModel):
                 nn.init.ones_(module.weight)
             if _needs_init(module.bias):
                 nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Linear) and getattr(module, "num_branches", 1) > 1:  # a multi-branch merge
+            if _needs_init(module.weight):
+                init_branched_linear(module.weight, module.num_branches, module.in_features // module.num_branches, 1, 1.0)
         elif isinstance(module, nn.Linear):
             if _needs_init(module.weight):
                 if module.bias is None:  # an output projection (untied LM head): fairseq's N(0, d^-0.5)
@@ -730,7 +799,7 @@ class FlexformerPreTrainedModel(PreTrainedModel):
 
     def _resize_target_vocabulary(self, new_num_tokens, pad_to_multiple_of, mean_resizing) -> nn.Embedding:
         # Both helpers are Transformers' own; the tables are resized in place (a shared table only once), and a
-        # projection keeps its class (the prepacked `VocabularyProjection`) with the resized parameters.
+        # projection keeps its module (and whatever wraps it) with the resized parameters.
         decoder = self.get_decoder()
         decoder.embed_tokens = self._get_resized_embeddings(
             decoder.embed_tokens, new_num_tokens, pad_to_multiple_of, mean_resizing
@@ -798,6 +867,7 @@ class FlexformerModel(FlexformerPreTrainedModel):
     def get_decoder(self):
         return self.decoder
 
+    @can_return_tuple
     @accepts_cache_argument
     def forward(
         self,
@@ -821,7 +891,6 @@ class FlexformerModel(FlexformerPreTrainedModel):
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
         use_cache = use_cache if use_cache is not None else self.config.use_cache
         if attention_mask is None and input_ids is not None:
             attention_mask = input_ids.ne(self.config.pad_token_id).long()
@@ -847,15 +916,15 @@ class FlexformerModel(FlexformerPreTrainedModel):
             attention_mask=decoder_attention_mask,
             encoder_hidden_states=encoder_outputs.last_hidden_state,
             encoder_attention_mask=attention_mask,
-            past_key_values=past_key_values,
             inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
             sublayer_order=decoder_sublayer_order,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
+            cache=past_key_values,
             **decoder_attention_kwargs,
         )
-        output = Seq2SeqModelOutput(
+        return Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
             **cache_field(output_cache(decoder_outputs)),
             decoder_hidden_states=decoder_outputs.hidden_states,
@@ -865,7 +934,6 @@ class FlexformerModel(FlexformerPreTrainedModel):
             encoder_hidden_states=encoder_outputs.hidden_states,
             encoder_attentions=encoder_outputs.attentions,
         )
-        return output if return_dict else output.to_tuple()
 
 
 class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, FlexformerGenerationMixin):
@@ -878,7 +946,7 @@ class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, FlexformerGe
     def __init__(self, config: FlexformerConfig):
         super().__init__(config)
         self.model = type(self).base_model_class(config)
-        self.lm_head = VocabularyProjection(config.decoder_embed_dim, config.decoder_vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.decoder_embed_dim, config.decoder_vocab_size, bias=False)
         if config.share_decoder_input_output_embed:
             table = "encoder" if config.share_all_embeddings else "decoder"  # the name named_parameters() reports
             self._tied_weights_keys = {"lm_head.weight": f"model.{table}.embed_tokens.weight"}
@@ -913,6 +981,7 @@ class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, FlexformerGe
             logits, labels, self.config.label_smoothing, num_items_in_batch=num_items_in_batch
         )
 
+    @can_return_tuple
     @accepts_cache_argument
     def forward(
         self,
@@ -936,7 +1005,6 @@ class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, FlexformerGe
         """`labels` (pad = -100) give the label-smoothed loss; `logits_to_keep=k` computes only the last k logits
         (generation needs one). Extra keyword arguments (`encoder_sublayer_order`, `decoder_sublayer_order`,
         attention kwargs of a method) go to the backbone."""
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
         if labels is not None:
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
@@ -949,17 +1017,16 @@ class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, FlexformerGe
             decoder_input_ids=decoder_input_ids,
             decoder_attention_mask=decoder_attention_mask,
             encoder_outputs=encoder_outputs,
-            past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             decoder_inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             return_dict=True,
+            cache=past_key_values,
             **kwargs,
         )
-        output = self.language_model_output(outputs, labels, num_items_in_batch, logits_to_keep)
-        return output if return_dict else output.to_tuple()
+        return self.language_model_output(outputs, labels, num_items_in_batch, logits_to_keep)
 
     def language_model_output(
         self,
@@ -975,7 +1042,7 @@ class FlexformerForConditionalGeneration(FlexformerPreTrainedModel, FlexformerGe
         hidden_states = outputs.last_hidden_state
         if logits_to_keep:
             hidden_states = hidden_states[:, -logits_to_keep:]
-        logits = self.lm_head(hidden_states)
+        logits = project_vocabulary(self.lm_head, hidden_states)
         loss = None
         if labels is not None:
             loss, _ = self.compute_loss(logits, labels, num_items_in_batch)

@@ -26,10 +26,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
+from transformers.utils import can_return_tuple
 
 from flexformers.configuration.configuration_indigo import InDIGOConfig
 
-from .cpu_kernels import PrepackedLinear
+from .cpu_kernels import project, project_vocabulary
 from .indigo_decoding import InDIGOGenerateOutput, InsertionDecoding
 from .indigo_insertion import (
     build_insertion_batch,
@@ -140,10 +141,10 @@ class InDIGOForConditionalGeneration(InsertionDecoding, FlexformerForConditional
     def __init__(self, config: InDIGOConfig):
         super().__init__(config)
         dim = config.decoder_embed_dim
-        self.word_query_proj = PrepackedLinear(dim, dim, bias=False) if config.word_query_projection else None  # F
-        self.pointer_query_proj = PrepackedLinear(dim, dim, bias=False)  # E
-        self.pointer_left_proj = PrepackedLinear(dim, dim, bias=False)  # C
-        self.pointer_right_proj = PrepackedLinear(dim, dim, bias=False)  # D
+        self.word_query_proj = nn.Linear(dim, dim, bias=False) if config.word_query_projection else None  # F
+        self.pointer_query_proj = nn.Linear(dim, dim, bias=False)  # E
+        self.pointer_left_proj = nn.Linear(dim, dim, bias=False)  # C
+        self.pointer_right_proj = nn.Linear(dim, dim, bias=False)  # D
         # Training-time switches set by the training method (not saved): searched orders instead of the
         # collator's pre-defined ones (after bootstrapping), SAO beam width, dropout during the search,
         # how many of the found orders to train on (None = all B, Eq. 12) and how to weight them (see
@@ -160,16 +161,16 @@ class InDIGOForConditionalGeneration(InsertionDecoding, FlexformerForConditional
     def word_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Eq. 8: ``softmax((h F) Wᵀ)`` logits."""
         if self.word_query_proj is not None:
-            hidden_states = self.word_query_proj(hidden_states)
-        return self.lm_head(hidden_states)
+            hidden_states = project(self.word_query_proj, hidden_states)
+        return project_vocabulary(self.lm_head, hidden_states)
 
     def pointer_keys(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Eq. 9's left and right keys ``H C`` and ``H D``."""
-        return self.pointer_left_proj(hidden_states), self.pointer_right_proj(hidden_states)
+        return project(self.pointer_left_proj, hidden_states), project(self.pointer_right_proj, hidden_states)
 
     def pointer_query(self, hidden_states: torch.Tensor, word_ids: torch.Tensor) -> torch.Tensor:
         """Eq. 9's query ``h E + W[y]`` (W: the decoder's token embedding, unscaled)."""
-        return self.pointer_query_proj(hidden_states) + self.get_decoder().embed_tokens(word_ids)
+        return project(self.pointer_query_proj, hidden_states) + self.get_decoder().embed_tokens(word_ids)
 
     def slot_log_probs(self, query: torch.Tensor, left_keys: torch.Tensor, right_keys: torch.Tensor) -> torch.Tensor:
         """Eq. 9 over all ``2n`` slots of ``n`` words in incremental decoding; query ``[b, c, d]``, keys ``[b, n, d]``
@@ -196,7 +197,7 @@ class InDIGOForConditionalGeneration(InsertionDecoding, FlexformerForConditional
             inputs_embeds=inputs_embeds,
             encoder_hidden_states=encoder_hidden_states,
             encoder_attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=past_key_values,
             use_cache=use_cache,
             relative_positions=relative_positions,
             **outputs_wanted,
@@ -265,6 +266,7 @@ class InDIGOForConditionalGeneration(InsertionDecoding, FlexformerForConditional
             pointer_log_probs if return_logits else None,
         )
 
+    @can_return_tuple
     @accepts_cache_argument
     def forward(
         self,
@@ -313,7 +315,6 @@ class InDIGOForConditionalGeneration(InsertionDecoding, FlexformerForConditional
         if kwargs:
             raise ValueError(f"InDIGOForConditionalGeneration.forward got unexpected arguments {sorted(kwargs)}")
         config = self.config
-        return_dict = config.return_dict if return_dict is None else return_dict
         outputs_wanted = {
             "output_attentions": config.output_attentions if output_attentions is None else output_attentions,
             "output_hidden_states": config.output_hidden_states if output_hidden_states is None else output_hidden_states,
@@ -399,7 +400,7 @@ class InDIGOForConditionalGeneration(InsertionDecoding, FlexformerForConditional
             searched_orders=searched_orders,
             searched_scores=searched_scores,
         )
-        return output if return_dict else output.to_tuple()
+        return output
 
     def insertion_batch_from_labels(
         self, labels: torch.Tensor | None, target_ids: torch.Tensor | None = None, target_lengths=None
@@ -594,7 +595,7 @@ class InDIGOForConditionalGeneration(InsertionDecoding, FlexformerForConditional
             right_ref = right_ref.clamp(max=ref_width - 1)
             left_neighbor = ref_index.gather(1, left_ref).clamp(min=0)
             right_neighbor = ref_index.gather(1, right_ref).clamp(min=0)
-            position = pointer.gap_log_probs(self.pointer_query_proj(last), left_neighbor, right_neighbor)  # [rows, T]
+            position = pointer.gap_log_probs(project(self.pointer_query_proj, last), left_neighbor, right_neighbor)  # [rows, T]
             candidate = scores[:, None] + candidate_word + position
             candidate = candidate.masked_fill(placed, float("-inf"))
             flat = candidate.view(batch, beams * max_len)

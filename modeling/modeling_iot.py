@@ -25,9 +25,11 @@ from transformers.modeling_outputs import (
     BaseModelOutputWithPastAndCrossAttentions,
     Seq2SeqLMOutput,
 )
+from transformers.utils import can_return_tuple
 
 from flexformers.configuration.configuration_iot import IOTConfig
 
+from .cpu_kernels import project_vocabulary
 from .generation_hooks import check_generate_arguments
 from .iot_equations import (
     clamp_order_probs,
@@ -419,10 +421,13 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
     def decoder_sublayer_order_for(self, decoder_order_index: torch.Tensor):
         """The decoder's ``sublayer_order`` for these rows, built once and reused while the same index tensor comes
         back (every step of one ``generate()`` call), so the per-row grouping is not recomputed per step."""
+        orders = self.config.decoder_sublayer_orders
+        if torch.compiler.is_exporting():
+            # no host sync on the orders in an exported graph: the per-row plan masks rows instead (`_masked_plan`)
+            return PerRowSublayerOrder(decoder_order_index, orders) if len(orders) > 1 else orders[0]
         cached = self._decoder_order_cache
         if cached is not None and cached[0] is decoder_order_index:
             return cached[1]
-        orders = self.config.decoder_sublayer_orders
         first = decoder_order_index[:1]
         # one host sync per batch (not per step): a batch that agrees on one order runs the plain path
         if len(orders) == 1 or bool((decoder_order_index == first).all()):
@@ -434,6 +439,7 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
 
     # -- forward -----------------------------------------------------------------------------------------------
 
+    @can_return_tuple
     @accepts_cache_argument
     def forward(
         self,
@@ -456,7 +462,6 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
     ) -> IOTSeq2SeqLMOutput | tuple:
         """Training (``self.training`` and ``labels``): all M×N order paths, loss of Eq. 7. Otherwise: each
         sentence's argmax orders (Eq. 4); ``labels`` then give the label-smoothed loss of those paths."""
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
         for key in ("cache_position", "position_ids", "decoder_position_ids"):
             kwargs.pop(key, None)
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
@@ -473,7 +478,7 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
                 input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, labels, num_items_in_batch,
                 inputs_embeds, decoder_inputs_embeds, output_attentions, output_hidden_states,
             )
-            return output if return_dict else output.to_tuple()
+            return output
         if labels is not None:
             use_cache = False
         if encoder_outputs is None:
@@ -487,6 +492,13 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
         elif not isinstance(encoder_outputs, IOTEncoderOutput) or encoder_outputs.decoder_order_index is None:
             encoder_outputs = self._with_decoder_orders(encoder_outputs, attention_mask, input_ids)
         sublayer_order = self.decoder_sublayer_order_for(encoder_outputs.decoder_order_index)
+        if isinstance(sublayer_order, PerRowSublayerOrder) and torch.compiler.is_exporting():
+            if past_key_values is not None or (use_cache if use_cache is not None else self.config.use_cache):
+                raise ValueError(
+                    "IOT exports its forward without the cache: pass use_cache=False to torch.export (rows choosing "
+                    "different orders run some sub-layers twice in the exported graph, so a cache would be written "
+                    "twice)"
+                )
         if attention_mask is None and input_ids is not None:
             attention_mask = input_ids.ne(self.config.pad_token_id).long()
         outputs = self.model(
@@ -494,7 +506,7 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
             decoder_input_ids=decoder_input_ids,
             decoder_attention_mask=decoder_attention_mask,
             encoder_outputs=encoder_outputs,
-            past_key_values=past_key_values,
+            cache=past_key_values,
             decoder_inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
             output_attentions=output_attentions,
@@ -514,7 +526,7 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
             encoder_order_index=encoder_outputs.encoder_order_index,
             decoder_order_index=encoder_outputs.decoder_order_index,
         )
-        return output if return_dict else output.to_tuple()
+        return output
 
     def _with_decoder_orders(self, encoder_outputs, attention_mask, input_ids) -> IOTEncoderOutput:
         """Encoder outputs computed elsewhere (plain ``BaseModelOutput`` or tuple): add Eq. 4's decoder orders."""
@@ -629,7 +641,7 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
                 path_repeats=path_repeats,
                 **outputs_wanted,
             )
-            logits = self.lm_head(decoder_outputs.last_hidden_state)  # [paths·b, t, V]
+            logits = project_vocabulary(self.lm_head, decoder_outputs.last_hidden_state)  # [paths·b, t, V]
         else:  # one decoder pass per path, in the same path-major row layout
             per_path = [
                 decoder(
@@ -644,7 +656,7 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
                 for decoder_order in [config.decoder_sublayer_orders[n] for n in arrangement]
                 for states in encoder_states
             ]
-            logits = torch.cat([self.lm_head(outputs.last_hidden_state) for outputs in per_path], dim=0)
+            logits = torch.cat([project_vocabulary(self.lm_head, outputs.last_hidden_state) for outputs in per_path], dim=0)
             decoder_outputs = BaseModelOutputWithPastAndCrossAttentions(
                 **{name: _cat_rows([getattr(outputs, name) for outputs in per_path]) for name in _PER_BLOCK_FIELDS}
             )

@@ -6,7 +6,7 @@ and trained from a proximal initialisation (Sec. 3.3): a trained single-branch b
 
 Speed: the branches are never a Python loop. The backbone's :class:`FlexformerAttention` with ``num_branches=B``
 projects q/k/v with one ``Linear(d, B*d)`` each (branch b = rows ``b*d:(b+1)*d``), runs *one* attention call over
-B·M heads and merges with one GEMM in :class:`BranchMergeLinear`; MAT only overrides the merge-weight hooks
+B·M heads and merges with one GEMM (:func:`merge_branches`); MAT only overrides the merge-weight hooks
 (``branch_weights`` for drop-branch, ``head_weights`` for drop-head). Branch weights stay addressable per branch
 (row/column blocks), which is what proximal initialisation writes.
 
@@ -49,7 +49,7 @@ from flexformers.configuration.configuration_mat import (
     MATRobertaConfig,
 )
 
-from .branch_merge import BranchMergeLinear
+from .branch_merge import merge_branches, merge_projection, upgrade_merge_bias_on_load
 from .modeling_flexformer import (
     BackboneComponents,
     FlexformerAttention,
@@ -130,13 +130,13 @@ def clone_into_branches(target: Tensor, source: Tensor, name: str) -> Tensor:
 
     The branch axis is the one axis whose size is a multiple of the baseline's: q/k/v and ``fc1`` weights
     ``[d, d] → [B*d, d]`` (branch b = rows ``b*d:(b+1)*d``), merge weights ``[d, d] → [d, B*d]`` (branch b =
-    columns), merge biases ``[1, d] or [d] → [B, d]``. With the 1/N merge and ρ = 0 the cloned layer computes
+    columns), merge biases ``[d] → [B, d]`` (``<name>_branch_bias``). With the 1/N merge and ρ = 0 the cloned layer computes
     ``Σ_b (1/B)(x W + b) = x W + b``: exactly the baseline's function.
     """
     if target.shape == source.shape:
         return source.clone()
     if source.dim() == 1 and target.dim() == 2 and target.shape[1] == source.shape[0]:
-        # a plain Linear bias [d] going into a BranchMergeLinear bias [B, d]
+        # a plain Linear bias [d] going into per-branch merge biases [B, d]
         return source.unsqueeze(0).repeat(target.shape[0], 1)
     differing = [axis for axis, (t, s) in enumerate(zip(target.shape, source.shape)) if t != s]
     if target.dim() != source.dim() or len(differing) != 1 or target.shape[differing[0]] % source.shape[differing[0]]:
@@ -154,6 +154,11 @@ def clone_state_dict_into_branches(target_model: nn.Module, source_state: dict[s
     name), multi-branch tensors cloned with :func:`clone_into_branches`. A missing name is a ``ValueError``."""
     new_state = {}
     for name, tensor in target_model.state_dict().items():
+        if name not in source_state and name.endswith("_branch_bias"):  # from the baseline's merge bias
+            name_in_source = name.removesuffix("_branch_bias") + ".bias"
+            if name_in_source in source_state:
+                new_state[name] = clone_into_branches(tensor, source_state[name_in_source].to(tensor.dtype), name)
+                continue
         if name not in source_state:
             raise ValueError(f"{what} has no tensor {name!r}; it does not match the MAT architecture")
         new_state[name] = clone_into_branches(tensor, source_state[name].to(tensor.dtype), name)
@@ -361,7 +366,8 @@ class MATEncoderAttentionOutput(RobertaSelfOutput):
         self.drop_branch_rate = float(config.drop_branch_rate)
         self.drop_head_rate = float(config.drop_head_rate)
         self.branch_merge = config.branch_merge
-        self.dense = BranchMergeLinear(self.num_branches, config.hidden_size, config.hidden_size)
+        self.dense, self.dense_branch_bias = merge_projection(self.num_branches, config.hidden_size, config.hidden_size)
+        self.register_load_state_dict_pre_hook(upgrade_merge_bias_on_load)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
@@ -377,7 +383,10 @@ class MATEncoderAttentionOutput(RobertaSelfOutput):
             self.num_branches, self.drop_branch_rate, training=self.training,
             device=hidden_states.device, dtype=hidden_states.dtype,
         )
-        merged = self.dense(hidden_states.view(*leading, self.num_branches, -1), multi_branch_merge_weights(keep, self.branch_merge))
+        merged = merge_branches(
+            self.dense, self.dense_branch_bias, hidden_states.view(*leading, self.num_branches, -1),
+            multi_branch_merge_weights(keep, self.branch_merge),
+        )
         return self.LayerNorm(self.dropout(merged) + input_tensor)
 
 
@@ -417,9 +426,8 @@ class _MATEncoderClassifierMixin:
 
     def _init_weights(self, module):
         super()._init_weights(module)
-        if isinstance(module, BranchMergeLinear):
-            nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
-            nn.init.zeros_(module.bias)
+        if isinstance(module, MATEncoderAttentionOutput) and module.dense_branch_bias is not None:
+            nn.init.zeros_(module.dense_branch_bias)  # `dense` itself is a Linear: the encoder's own initialisation
 
     @classmethod
     def from_encoder(cls, encoder, **mat_overrides):
@@ -446,6 +454,10 @@ class _MATEncoderClassifierMixin:
         target = model.base_model
         state = {}
         for name, tensor in target.state_dict().items():
+            if name.endswith("_branch_bias"):  # the per-branch merge biases come from the encoder's merge bias
+                base_name = name.removesuffix("_branch_bias") + ".bias"
+                state[name] = clone_into_branches(tensor, base_state[base_name].to(tensor.dtype), name)
+                continue
             if name not in base_state:
                 # BERT's pooler is absent from a RobertaModel-style checkpoint saved without it: keep the fresh one
                 state[name] = tensor

@@ -5,7 +5,9 @@ Transformers 5.24 renamed the generation cache from `past_key_values` to `cache`
 standard output classes declare a `cache` field (with `past_key_values` as a deprecated alias that logs a warning).
 5.23 uses `past_key_values` for all of these. Inside, the models call the cache `past_key_values`; the code at their
 public boundary (model `forward`s, output objects, `generate()` hooks) goes through this module, so no other file
-knows which release is running.
+knows which release is running. From 5.24 on, `past_key_values=` is the deprecated spelling: Transformers' own models
+(BART's `forward`s) warn with `deprecate_kwarg`, and so do ours; on 5.23 it is the real name and nothing warns. Code
+inside the package passes the cache to a public `forward` as `cache=`, which every release takes.
 
 Gradient checkpointing: 5.24 checkpoints a `GradientCheckpointingLayer` only while autograd records the call; 5.23
 also checkpoints a call made under `torch.no_grad()` in training mode, and then passes the layer
@@ -21,11 +23,14 @@ from typing import Any
 
 import torch
 from transformers.modeling_outputs import Seq2SeqLMOutput
+from transformers.utils.deprecation import deprecate_kwarg
 
 #: The name the running Transformers gives the cache: `forward` argument, `model_kwargs` key, output field.
 CACHE_NAME: str = "cache" if "cache" in Seq2SeqLMOutput.__dataclass_fields__ else "past_key_values"
 #: The spelling of the new releases, accepted by every model `forward` whatever the release.
 NEW_CACHE_ARGUMENT = "cache"
+#: The release Transformers' own models name for removing `past_key_values=` (BART's `deprecate_kwarg`s, 5.24).
+OLD_CACHE_ARGUMENT_REMOVAL = "5.40.0"
 
 
 def cache_field(cache: Any) -> dict[str, Any]:
@@ -53,8 +58,12 @@ def set_generation_cache(model_kwargs: dict[str, Any], cache: Any) -> None:
 def accepts_cache_argument(forward: Callable) -> Callable:
     """Decorator for a public `forward(self, ..., past_key_values=None, ...)`: it also takes the cache as `cache=`
     (what `generate()` passes from Transformers 5.24 on, and what users of those releases write). Giving both names
-    is an error, as in Transformers. The wrapper's signature lists `cache` as a keyword-only argument, so
-    Transformers' introspection of `forward` (argument validation in `generate()`) sees it."""
+    is an error. The wrapper's signature lists `cache` as a keyword-only argument, so Transformers' introspection of
+    `forward` (argument validation in `generate()`) sees it.
+
+    Where the running release calls the cache `cache` (5.24 on), `past_key_values=` still works but warns exactly as
+    BART's `forward`s do: Transformers' own `deprecate_kwarg` (a `FutureWarning` naming `Class.forward`). On 5.23 it
+    is the release's own name and does not warn."""
     signature = inspect.signature(forward)
     parameters = list(signature.parameters.values())
     if "past_key_values" not in signature.parameters:
@@ -75,7 +84,21 @@ def accepts_cache_argument(forward: Callable) -> Callable:
         return forward(self, *args, **kwargs)
 
     forward_taking_either_cache_name.__signature__ = signature.replace(parameters=parameters)
-    return forward_taking_either_cache_name
+    if CACHE_NAME != NEW_CACHE_ARGUMENT:
+        return forward_taking_either_cache_name
+    renaming = deprecate_kwarg("past_key_values", OLD_CACHE_ARGUMENT_REMOVAL, new_name=NEW_CACHE_ARGUMENT)(
+        forward_taking_either_cache_name
+    )
+
+    @functools.wraps(forward_taking_either_cache_name)
+    def forward_warning_of_the_old_cache_name(self, *args, **kwargs):
+        # Both names given is refused before `deprecate_kwarg` would keep `cache` and drop the other with a warning:
+        # two different caches passed is a mistake to name, not one to guess at.
+        if kwargs.get(NEW_CACHE_ARGUMENT) is not None and kwargs.get("past_key_values") is not None:
+            raise ValueError("Pass the cache once: as `cache` or as `past_key_values`, not both.")
+        return renaming(self, *args, **kwargs)
+
+    return forward_warning_of_the_old_cache_name
 
 
 class CheckpointOnlyWithGradients:

@@ -20,10 +20,10 @@ from transformers.cache_utils import (
 
 import flexformers  # noqa: F401  (registers the model types)
 from flexformers.configuration import PRESETS, FlexformerConfig
-from flexformers.modeling.branch_merge import BranchMergeLinear
+from flexformers.modeling.branch_merge import merge_branches, merge_projection
 from flexformers.modeling.cpu_kernels import (
-    VocabularyProjection,
     dropout,
+    project_vocabulary,
     scaled_keep_mask,
 )
 from flexformers.modeling.kv_caches import (
@@ -629,18 +629,22 @@ def test_static_cache_decoding_step_compiles_into_one_graph(options):
     assert torch.equal(compiled, default)
 
 
-def test_vocabulary_projection_equals_linear_with_and_without_gradients():
+@pytest.mark.parametrize("prepack", [True, False], ids=["packed", "transposed-product"])
+def test_vocabulary_projection_equals_linear_with_and_without_gradients(prepack, monkeypatch):
+    import flexformers.modeling.cpu_kernels as kernels
+
+    monkeypatch.setattr(kernels, "PREPACK_INFERENCE_WEIGHTS", prepack and kernels.PREPACK_INFERENCE_WEIGHTS)
     torch.manual_seed(0)
-    projection = VocabularyProjection(16, 50, bias=True)
+    projection = torch.nn.Linear(16, 50, bias=True)
     for rows in (1, 7, 200):  # below and above the transposed-product threshold
         hidden = torch.randn(rows, 1, 16)
         reference = torch.nn.functional.linear(hidden, projection.weight, projection.bias)
         with torch.no_grad():
-            fast = projection(hidden)
+            fast = project_vocabulary(projection, hidden)
         assert fast.shape == reference.shape and fast.is_contiguous()
         assert torch.allclose(fast, reference, atol=1e-5)
     hidden = torch.randn(4, 3, 16, requires_grad=True)
-    projection(hidden).sum().backward()
+    project_vocabulary(projection, hidden).sum().backward()
     assert hidden.grad is not None and projection.weight.grad is not None
 
 
@@ -649,28 +653,37 @@ def test_vocabulary_projection_equals_linear_with_and_without_gradients():
 
 def test_branch_merge_with_one_branch_is_nn_linear():
     torch.manual_seed(0)
-    merge = BranchMergeLinear(1, 8, 5)
+    merge, branch_biases = merge_projection(1, 8, 5)
+    assert type(merge) is torch.nn.Linear and branch_biases is None
     torch.nn.init.normal_(merge.weight)
     torch.nn.init.normal_(merge.bias)
     x = torch.randn(2, 3, 1, 8)
-    assert torch.equal(merge(x), torch.nn.functional.linear(x[:, :, 0], merge.weight, merge.bias[0]))
+    assert torch.equal(merge_branches(merge, None, x), torch.nn.functional.linear(x[:, :, 0], merge.weight, merge.bias))
+    weights = torch.tensor([[0.5], [2.0]])  # one weight per row: w (x W + b)
+    torch.testing.assert_close(merge_branches(merge, None, x, weights), weights[:, :, None] * merge(x[:, :, 0]))
 
 
 def test_branch_merge_is_the_weighted_sum_of_branch_linears():
     torch.manual_seed(0)
-    merge = BranchMergeLinear(3, 4, 5)
-    torch.nn.init.normal_(merge.weight)
-    torch.nn.init.normal_(merge.bias)
+    projection, bias = merge_projection(3, 4, 5)
+    assert type(projection) is torch.nn.Linear and projection.bias is None and bias.shape == (3, 5)
+    torch.nn.init.normal_(projection.weight)
+    torch.nn.init.normal_(bias)
+
+    def merge(x, weights=None):
+        return merge_branches(projection, bias, x, weights)
+
+    def branch_weight(b):
+        return projection.weight[:, b * 4 : (b + 1) * 4]
+
     x = torch.randn(2, 6, 3, 4)
     weights = torch.tensor([0.5, 0.0, 2.0])
-    expected = sum(
-        weights[b] * (x[:, :, b] @ merge.branch_weight(b).T + merge.bias[b]) for b in range(3)
-    )
+    expected = sum(weights[b] * (x[:, :, b] @ branch_weight(b).T + bias[b]) for b in range(3))
     torch.testing.assert_close(merge(x, weights), expected, atol=1e-5, rtol=1e-5)
     per_row = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
     out = merge(x, per_row)
-    torch.testing.assert_close(out[0], x[0, :, 0] @ merge.branch_weight(0).T + merge.bias[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out[1], x[1, :, 2] @ merge.branch_weight(2).T + merge.bias[2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[0], x[0, :, 0] @ branch_weight(0).T + bias[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1], x[1, :, 2] @ branch_weight(2).T + bias[2], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(merge(x), merge(x, torch.full((3,), 1 / 3)), atol=1e-6, rtol=1e-6)
 
 
@@ -689,8 +702,8 @@ def test_branched_attention_equals_average_of_independent_attentions():
             elif "out_proj.weight" in name:
                 d = value.shape[1] // 2
                 state[name] = value[:, branch * d : (branch + 1) * d].clone()
-            elif "out_proj.bias" in name:
-                state[name] = value[branch : branch + 1].clone()
+            elif "out_proj_branch_bias" in name:
+                state[name.replace("out_proj_branch_bias", "out_proj.bias")] = value[branch].clone()
             else:
                 state[name] = value.clone()
         single.load_state_dict(state)

@@ -24,7 +24,6 @@ from flexformers import (
     MATConfig,
     MATForConditionalGeneration,
 )
-from flexformers.modeling.cpu_kernels import VocabularyProjection
 from flexformers.modeling.transformers_compat import CACHE_NAME, NEW_CACHE_ARGUMENT, output_cache
 from tests.conftest import tiny_config_kwargs
 
@@ -112,7 +111,7 @@ def test_generation_never_continues_a_hypothesis_with_the_padding_token(model_ty
         logits[..., pad] = logits.max() + 10.0
         return logits
 
-    projections = [m for m in model.modules() if isinstance(m, VocabularyProjection)]
+    projections = model.vocabulary_projections()
     assert projections
     for projection in projections:
         projection.register_forward_hook(rank_padding_first)
@@ -366,7 +365,7 @@ def vocabulary_sizes(model) -> dict[str, int]:
         **{
             f"projection {name}": module.weight.shape[0]
             for name, module in model.named_modules()
-            if isinstance(module, VocabularyProjection)
+            if any(module is projection for projection in model.vocabulary_projections())
         },
     }
 

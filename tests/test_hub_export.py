@@ -289,6 +289,52 @@ def test_every_card_renders_and_validates_with_a_model_index(tmp_path, model_typ
     assert not re.search(r"\{\{ |\{%", text), "unrendered template syntax"
 
 
+def _model_index_dataset(tmp_path, **overrides):
+    from huggingface_hub import ModelCard
+
+    path = tmp_path / "README.md"
+    path.write_text(render("flexformer", **overrides))
+    card = ModelCard.load(path, ignore_metadata_errors=False)
+    return card.data, card.content
+
+
+def test_model_index_names_the_dataset_given_with_its_config_not_the_data_file(tmp_path):
+    """`--dataset user/corpus --dataset_config de-en` on a run trained from files: the model-index names that
+    dataset and config, where it used to name the corpus after the file (`train.tsv`)."""
+    results = dict(EVAL_RESULTS, task="files", dataset="train.tsv")
+    data, content = _model_index_dataset(tmp_path, eval_results=results, datasets=["user/corpus"],
+                                         dataset_config="de-en")
+    for result in data.eval_results:
+        assert (result.dataset_type, result.dataset_config) == ("user/corpus", "de-en")
+        assert result.dataset_name == "user/corpus (de-en)"
+    assert data.datasets == ["user/corpus"]
+    assert "train.tsv" not in content.split("---")[1]
+
+
+def test_model_index_takes_the_hub_dataset_a_hub_task_run_recorded(tmp_path):
+    results = dict(EVAL_RESULTS, task="hub", dataset="wmt16/de-en", dataset_id="wmt16", dataset_config="de-en")
+    data, _ = _model_index_dataset(tmp_path, eval_results=results)
+    assert {(r.dataset_type, r.dataset_config, r.dataset_name) for r in data.eval_results} == {
+        ("wmt16", "de-en", "wmt16 (de-en)")}
+    assert data.datasets == ["wmt16"]
+
+
+def test_model_index_without_a_hub_dataset_keeps_the_corpus_name(tmp_path):
+    data, _ = _model_index_dataset(tmp_path)
+    assert {(r.dataset_type, r.dataset_name, r.dataset_config) for r in data.eval_results} == {
+        ("gettext-en-de", "gettext-en-de", None)}
+
+
+def test_decode_records_a_hub_dataset_id_and_config_but_not_a_local_folder(tmp_path):
+    from flexformers.training_scripts.arguments import DataArguments, hub_dataset_reference
+
+    hub = DataArguments(task="hub", dataset_name="wmt16", dataset_config_name="de-en")
+    assert hub_dataset_reference(hub) == {"dataset_id": "wmt16", "dataset_config": "de-en"}
+    local = DataArguments(task="hub", dataset_name=str(tmp_path))
+    assert hub_dataset_reference(local) == {}
+    assert hub_dataset_reference(DataArguments(task="translation")) == {}
+
+
 def test_card_without_evaluation_has_no_model_index(tmp_path):
     from huggingface_hub import ModelCard
 

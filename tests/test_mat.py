@@ -69,7 +69,7 @@ def _perturb_biases(model: torch.nn.Module) -> None:
 
 def _init_standalone(module: torch.nn.Module) -> torch.nn.Module:
     """Modules built outside a PreTrainedModel are not initialised by `_init_weights`: give every parameter
-    moderate random values (BranchMergeLinear starts as `torch.empty`)."""
+    moderate random values (a merge starts as `torch.empty`)."""
     with torch.no_grad():
         for parameter in module.parameters():
             parameter.normal_(0.0, 0.2)
@@ -228,11 +228,12 @@ def _single_branch_copy(fused, branch: int, cls, *args, **kwargs):
     single = cls(*args, **kwargs).eval()
     with torch.no_grad():
         for name, parameter in single.named_parameters():
+            if name in ("out_proj.bias", "fc2.bias"):  # the fused merge's per-branch biases
+                parameter.copy_(dict(fused.named_parameters())[name.replace(".bias", "_branch_bias")][branch])
+                continue
             source = dict(fused.named_parameters())[name]
             if name.endswith("out_proj.weight") or name.endswith("fc2.weight") or name in ("out_proj.weight", "fc2.weight"):
                 parameter.copy_(source[:, branch * parameter.shape[1] : (branch + 1) * parameter.shape[1]])
-            elif name in ("out_proj.bias", "fc2.bias"):
-                parameter.copy_(source[branch : branch + 1])
             else:
                 rows = parameter.shape[0]
                 parameter.copy_(source[branch * rows : (branch + 1) * rows])

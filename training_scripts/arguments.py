@@ -292,6 +292,17 @@ def train_file_change(saved: DataArguments | None, current: DataArguments) -> st
     return None
 
 
+def hub_dataset_reference(data_args: DataArguments) -> dict[str, str]:
+    """``{"dataset_id": ..., "dataset_config": ...}`` of a ``--task hub`` run whose ``--dataset_name`` is a Hub
+    dataset id (not a local folder), for the card's ``model-index``; empty for every other corpus."""
+    if data_args.task != "hub" or not data_args.dataset_name or os.path.exists(data_args.dataset_name):
+        return {}
+    reference = {"dataset_id": data_args.dataset_name}
+    if data_args.dataset_config_name:
+        reference["dataset_config"] = data_args.dataset_config_name
+    return reference
+
+
 def describe_dataset(data_args: DataArguments) -> str:
     """A short human-readable name of the corpus, for eval_results.json and model cards."""
     if data_args.task in ("codegen", "code2doc"):

@@ -29,7 +29,13 @@ from pathlib import Path
 import torch
 from transformers import HfArgumentParser
 
-from flexformers.training_scripts.arguments import DATA_ARGS_FILE, DATA_FILE_FIELDS, DataArguments, describe_dataset
+from flexformers.training_scripts.arguments import (
+    DATA_ARGS_FILE,
+    DATA_FILE_FIELDS,
+    DataArguments,
+    describe_dataset,
+    hub_dataset_reference,
+)
 from flexformers.training_scripts.checkpoints import weights_problem
 from flexformers.training_scripts.data import SPLITS, escape_line, load_corpus
 from flexformers.training_scripts.metrics_utils import compute_generation_metrics, copy_baseline_metrics, gain_over_copy
@@ -477,6 +483,7 @@ def run(decode_args: DecodeArguments, data_args: DataArguments) -> dict:
     results = {
         "task": data_args.task,
         "dataset": describe_dataset(data_args),
+        **hub_dataset_reference(data_args),  # the Hub id and config the card's model-index names
         "split": decode_args.split,
         # the run's data files whose content differs from the one it was trained with (these scores are on them now)
         "data_files_changed": data_files_changed,

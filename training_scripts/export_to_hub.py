@@ -77,6 +77,7 @@ class ExportOptions:
     language: Sequence[str] | None = None
     license: str | None = None
     datasets: Sequence[str] | None = None
+    dataset_config: str | None = None
     generation_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     require_eval_results: bool = True
     overwrite: bool = False
@@ -283,6 +284,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.PathLi
             language=options.language,
             license=options.license,
             datasets=options.datasets,
+            dataset_config=options.dataset_config,
             cards_dir=options.cards_dir,
         )
         (staging / "README.md").write_text(card, encoding="utf-8")
@@ -427,7 +429,12 @@ def build_argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--private", action="store_true", help="create the Hub repository as private")
     parser.add_argument("--language", nargs="*", help="ISO codes of the languages, e.g. de en")
     parser.add_argument("--license", help="license identifier for the card, e.g. mit")
-    parser.add_argument("--dataset", nargs="*", dest="datasets", help="Hub ids of the training datasets (card metadata)")
+    parser.add_argument(
+        "--dataset", nargs="*", dest="datasets",
+        help="Hub ids of the training datasets (card metadata); the first names the evaluated dataset in the "
+        "model-index, unless a --task hub run recorded its own",
+    )
+    parser.add_argument("--dataset_config", help="configuration of the evaluated dataset, e.g. de-en (model-index)")
     parser.add_argument(
         "--generation_overrides",
         help="comma-separated key=value decoding settings written into generation_config.json",
@@ -458,6 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             language=args.language,
             license=args.license,
             datasets=args.datasets,
+            dataset_config=args.dataset_config,
             generation_overrides=parse_overrides(args.generation_overrides),
             require_eval_results=not args.allow_missing_eval_results,
             overwrite=args.overwrite,

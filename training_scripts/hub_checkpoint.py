@@ -238,8 +238,8 @@ def read_eval_results(checkpoint: Path) -> dict[str, Any] | None:
             f"{path} lacks the field {missing[0]!r}: it is not flexformers-decode's evaluation{origin}; "
             f"run flexformers-decode --model_name_or_path {checkpoint} --split test to write it"
         )
-    for field in ("task", "dataset", "split"):
-        if not isinstance(results[field], str) or not results[field]:
+    for field in ("task", "dataset", "split", "dataset_id", "dataset_config"):  # the last two only for Hub data
+        if field in results and (not isinstance(results[field], str) or not results[field]):
             raise ExportError(f"{path}: {field!r} must be a non-empty string, found {results[field]!r}")
     metrics = results["metrics"]
     if not isinstance(metrics, dict) or not metrics:

@@ -133,20 +133,29 @@ def build_card_data(
     license: str | None = None,
     model_type: str,
     datasets: Sequence[str] | None = None,
+    dataset_config: str | None = None,
 ):
-    """``ModelCardData`` with one ``EvalResult`` per metric of ``eval_results`` (the card's ``model-index``)."""
+    """``ModelCardData`` with one ``EvalResult`` per metric of ``eval_results`` (the card's ``model-index``).
+
+    The evaluated dataset is named by its Hub id and config: those a ``--task hub`` run recorded in
+    ``eval_results``, else the first of ``datasets`` (export's ``--dataset``) with ``dataset_config``
+    (``--dataset_config``), else the corpus name ``flexformers-decode`` gave it (a built-in task or a data file)."""
     from huggingface_hub import EvalResult, ModelCardData
 
     results = []
     if eval_results is not None:
+        dataset_id = eval_results.get("dataset_id") or (datasets[0] if datasets else None)
+        config = eval_results.get("dataset_config") or dataset_config
+        dataset_name = dataset_id or eval_results["dataset"]
         signatures = {name: eval_results.get(f"{field}_signature") for name, field in SIGNATURE_FIELDS.items()}
         for key, value in eval_results["metrics"].items():
             results.append(
                 EvalResult(
                     task_type=TASK_TYPES.get(eval_results["task"], "text2text-generation"),
                     task_name=TASK_NAMES.get(eval_results["task"], eval_results["task"]),
-                    dataset_type=eval_results["dataset"],
-                    dataset_name=eval_results["dataset"],
+                    dataset_type=dataset_name,
+                    dataset_name=f"{dataset_name} ({config})" if config else dataset_name,
+                    dataset_config=config,
                     dataset_split=eval_results["split"],
                     metric_type=key,
                     metric_name=METRIC_NAMES.get(key, key),
@@ -162,7 +171,8 @@ def build_card_data(
         library_name="transformers",
         pipeline_tag=TASK_TYPES.get(eval_results["task"], "text2text-generation") if eval_results else None,
         tags=["flexformers", model_type, "seq2seq", "custom_code"],
-        datasets=list(datasets) if datasets else None,
+        datasets=list(datasets) if datasets else (
+            [eval_results["dataset_id"]] if eval_results and eval_results.get("dataset_id") else None),
         metrics=sorted(eval_results["metrics"]) if eval_results else None,
     )
 
@@ -184,6 +194,7 @@ def render_model_card(
     language: Sequence[str] | None = None,
     license: str | None = None,
     datasets: Sequence[str] | None = None,
+    dataset_config: str | None = None,
     cards_dir: str | os.PathLike = DEFAULT_CARDS_DIR,
 ) -> str:
     """Render ``hub_cards/<model_type>.md`` and check that the result parses as a model card with a valid
@@ -215,6 +226,7 @@ def render_model_card(
         license=license,
         model_type=model_type,
         datasets=datasets,  # Hub dataset ids only; the pipeline's corpus names are not
+        dataset_config=dataset_config,
     )
     default_generation = _default_generation_dict()
     content = environment.get_template(template_name).render(
