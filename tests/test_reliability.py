@@ -192,6 +192,13 @@ def smoke_form(argv: list[str], locale_dir: Path) -> list[str]:
     task = argv[argv.index("--task") + 1] if "--task" in argv else "codegen"
     if task == "translation":
         argv += ["--locale_dir", str(locale_dir)]
+    elif task == "files":  # the user's files the command names, made here (in the test's folder)
+        pairs = [("Open the file", "Datei öffnen"), ("Close the window", "Fenster schließen"),
+                 ("Save the page", "Seite speichern"), ("Delete the folder", "Ordner löschen")] * 6
+        for option in ("--train_file", "--validation_file", "--test_file"):
+            if option in argv and not Path(argv[argv.index(option) + 1]).exists():
+                Path(argv[argv.index(option) + 1]).write_text(
+                    "source\ttarget\n" + "".join(f"{source}\t{target}\n" for source, target in pairs), encoding="utf-8")
     elif "--python_source_dirs" not in argv:
         argv += ["--python_source_dirs", *SOURCES]
     if "--tokenizer_name_or_path" not in argv and "--model_name_or_path" not in argv:
