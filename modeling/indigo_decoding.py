@@ -513,8 +513,9 @@ class InsertionDecoding:
                 for row in torch.nonzero(stopped & torch.isfinite(beam_scores)).flatten().tolist():
                     finished[row // beams].append(snapshot(row, float(beam_scores[row]), state.length - 2))
                 beam_scores = beam_scores.masked_fill(stopped, float("-inf"))
+                alive = torch.isfinite(beam_scores.view(batch, beams)).any(1).tolist()  # one host sync, not one a row
                 for sentence in range(batch):
-                    if not done[sentence] and not bool(torch.isfinite(beam_scores.view(batch, beams)[sentence]).any()):
+                    if not done[sentence] and not alive[sentence]:
                         finished[sentence].sort(key=lambda item: -item[0])
                         done[sentence] = True
                 if all(done):

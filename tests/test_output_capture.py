@@ -18,7 +18,6 @@ import torch
 from transformers import BartConfig, BartForConditionalGeneration
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
-from flexformers.modeling.backbone_blocks import FlexformerDecoderLayer, FlexformerEncoderLayer
 from flexformers.modeling.transformers_compat import NEW_CACHE_ARGUMENT, output_cache
 from tests.test_conformance import (
     LEFT_TO_RIGHT_TYPES,
