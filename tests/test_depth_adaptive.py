@@ -188,10 +188,43 @@ def test_incremental_early_exit_equals_recomputation_with_the_same_exits_and_cop
         )
         assert torch.equal(decided.exits, exits)
         torch.testing.assert_close(decided.logits, logits, atol=1e-5, rtol=1e-5)
+    # the exits are the ones the exit rule names (not only the same in both passes)
+    planned, exits_at_one = exits_by_the_rule(model, source, target, settings, attention_mask)
+    if planned is not None:
+        assert torch.equal(exits, planned)
+    else:
+        assert torch.equal(exits == 1, exits_at_one)
     if overrides.get("halting_mechanism") == "sequence":
         assert bool((exits == exits[:, :1]).all())  # one exit per sentence
     else:
         assert exits.unique().numel() > 1, "the test should exercise mixed exits within a batch"
+
+
+@torch.no_grad()
+def exits_by_the_rule(model, source, target, settings, attention_mask):
+    """The exit decisions computed by hand from aligned states: `(planned exits, None)` for the sequence-specific
+    (argmax of Eq. 8) and token multinomial (argmax of Eq. 11 on h¹) halting, else `(None, exits at block 1)`:
+    χ¹_t > τ_1 (geometric-like, Eq. 12) or max_y p(y|h¹_t) > τ_1 (confidence). Block 1 runs for every position, so
+    its states do not depend on the exits of earlier positions."""
+    encoder_states = model.get_encoder()(input_ids=source, attention_mask=attention_mask).last_hidden_state
+    if model.config.halting_mechanism == "sequence" and settings.get("exit_strategy") != "confidence":
+        sequence_exits = model.halting(encoder_states, attention_mask).argmax(-1) + 1
+        return sequence_exits[:, None].expand(-1, target.shape[1] + 1), None
+    decoder = model.model.decoder
+    layer_kwargs = {
+        "attention_mask": None,
+        "encoder_hidden_states": encoder_states,
+        "encoder_attention_mask": padding_mask(attention_mask, encoder_states.dtype),
+    }
+    states, _, _ = decoder.forward_layerwise(decoder.embed(decoder_input_for(target)), layer_kwargs, keep_states=True)
+    thresholds = settings.get("exit_thresholds") or model.config.default_exit_thresholds
+    if settings.get("exit_strategy") == "confidence":
+        confidence = torch.softmax(model.classify(1, states[0]).float(), -1).amax(-1)
+        return None, confidence > thresholds[0]
+    if model.config.halting_mechanism == "token_multinomial":
+        return model.halting(states[0]).argmax(-1) + 1, None
+    chi = torch.sigmoid(model.halting.halting_logits(1, states[0]))
+    return None, chi > thresholds[0]
 
 
 def test_copied_key_values_follow_a_fused_optimizer_step():

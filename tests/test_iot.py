@@ -368,7 +368,18 @@ def test_mixed_order_generation_equals_per_sentence_generation(options):
     input_ids, mask, _ = batch(seed=2, size=8)
     options = {"max_new_tokens": 6, "min_new_tokens": 6, **options}
     encoder_codes, decoder_codes, references = _per_sentence_reference(model, input_ids, mask, **options)
-    assert len(set(decoder_codes.tolist())) >= 3 and len(set(encoder_codes.tolist())) == 2
+    # the orders are Eq. 4's argmax of the predictors (Eq. 1 on the token embeddings, Eq. 2 on that order's encoder
+    # output), computed by hand
+    with torch.no_grad():
+        embeddings = model.get_encoder().embed_tokens(input_ids)
+        encoder_choice = order_predictor_logits(embeddings, mask, model.encoder_order_predictor.weight).argmax(-1)
+        assert torch.equal(encoder_codes, torch.tensor([1, 2])[encoder_choice])
+        for row, encoder_code in enumerate(encoder_codes.tolist()):
+            states = model.encode_with_orders(input_ids[row : row + 1], mask[row : row + 1], encoder_order=encoder_code)
+            weight = model.decoder_order_predictor.weight
+            logits = order_predictor_logits(states.last_hidden_state, mask[row : row + 1], weight)
+            assert int(decoder_codes[row]) == [1, 2, 4, 6][int(logits.argmax(-1))]
+    assert len(set(decoder_codes.tolist())) >= 3 and len(set(encoder_codes.tolist())) == 2, "the test should mix orders"
     output = model.generate(input_ids, attention_mask=mask, return_dict_in_generate=True, output_scores=True, **options)
     assert torch.equal(output.decoder_order_codes, decoder_codes)
     assert torch.equal(output.encoder_order_codes, encoder_codes)
