@@ -356,6 +356,17 @@ def _collection_under_way() -> bool:
     return _active_collector.get() is not None
 
 
+def _nothing_to_record(forward_kwargs: dict) -> bool:
+    """Both output flags given as False and no collection under way (every decoding step: the models pass both flags
+    resolved), so `capture_outputs`' look-ups of the config's defaults (~5 config reads, tens of µs a call on CPU) can
+    be skipped."""
+    return (
+        forward_kwargs.get("output_attentions", True) is False
+        and forward_kwargs.get("output_hidden_states", True) is False
+        and not _collection_under_way()
+    )
+
+
 def records_block_outputs(forward: Callable) -> Callable:
     """Transformers' `capture_outputs` for a stack's `forward` (what BART's encoder and decoder use): the hidden
     states and attention weights named in the stack's `_can_record_outputs` are collected by forward hooks on its
@@ -366,14 +377,7 @@ def records_block_outputs(forward: Callable) -> Callable:
 
     @functools.wraps(recording)
     def forward_returning_output_objects(self, *args, return_dict: bool = True, **kwargs):
-        if (
-            kwargs.get("output_attentions", True) is False
-            and kwargs.get("output_hidden_states", True) is False
-            and not _collection_under_way()
-        ):
-            # Nothing asked for and no collection under way (every decoding step: the models pass both flags
-            # resolved): nothing to record, so `capture_outputs`' look-ups of the config's defaults (~5 config reads,
-            # tens of µs a call on CPU) are skipped.
+        if _nothing_to_record(kwargs):
             output = forward(self, *args, **kwargs)
             return output if return_dict else output.to_tuple()
         return recording(self, *args, return_dict=return_dict, **kwargs)

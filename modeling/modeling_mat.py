@@ -367,6 +367,10 @@ class MATEncoderAttentionOutput(RobertaSelfOutput):
         self.drop_head_rate = float(config.drop_head_rate)
         self.branch_merge = config.branch_merge
         self.dense, self.dense_branch_bias = merge_projection(self.num_branches, config.hidden_size, config.hidden_size)
+        if self.dense_branch_bias is not None:
+            # Zeroed here, not only in `_init_weights`: inside the classifier this module sits under the encoder, a
+            # PreTrainedModel of its own whose `_init_weights` Transformers applies to it and which does not know it.
+            nn.init.zeros_(self.dense_branch_bias)
         self.register_load_state_dict_pre_hook(upgrade_merge_bias_on_load)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)

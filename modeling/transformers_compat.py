@@ -55,6 +55,24 @@ def set_generation_cache(model_kwargs: dict[str, Any], cache: Any) -> None:
     model_kwargs[CACHE_NAME] = cache
 
 
+def pass_cache_as_past_key_values(args: tuple, kwargs: dict, past_index: int) -> dict:
+    """`kwargs` with a `cache=` argument moved to `past_key_values` (the name the forwards take), refusing a cache
+    also given as `past_key_values`, by keyword or by position (``past_index``: its place in the signature, `self` at 0)."""
+    cache = kwargs.pop(NEW_CACHE_ARGUMENT, None)
+    if cache is not None:
+        if kwargs.get("past_key_values") is not None or len(args) >= past_index:
+            raise ValueError("Pass the cache once: as `cache` or as `past_key_values`, not both.")
+        kwargs["past_key_values"] = cache
+    return kwargs
+
+
+def refuse_both_cache_names(kwargs: dict) -> None:
+    """Both names given is refused before `deprecate_kwarg` would keep `cache` and drop the other with a warning:
+    two different caches passed is a mistake to name, not one to guess at."""
+    if kwargs.get(NEW_CACHE_ARGUMENT) is not None and kwargs.get("past_key_values") is not None:
+        raise ValueError("Pass the cache once: as `cache` or as `past_key_values`, not both.")
+
+
 def accepts_cache_argument(forward: Callable) -> Callable:
     """Decorator for a public `forward(self, ..., past_key_values=None, ...)`: it also takes the cache as `cache=`
     (what `generate()` passes from Transformers 5.24 on, and what users of those releases write). Giving both names
@@ -76,12 +94,7 @@ def accepts_cache_argument(forward: Callable) -> Callable:
 
     @functools.wraps(forward)
     def forward_taking_either_cache_name(self, *args, **kwargs):
-        cache = kwargs.pop(NEW_CACHE_ARGUMENT, None)
-        if cache is not None:
-            if kwargs.get("past_key_values") is not None or len(args) >= past_index:
-                raise ValueError("Pass the cache once: as `cache` or as `past_key_values`, not both.")
-            kwargs["past_key_values"] = cache
-        return forward(self, *args, **kwargs)
+        return forward(self, *args, **pass_cache_as_past_key_values(args, kwargs, past_index))
 
     forward_taking_either_cache_name.__signature__ = signature.replace(parameters=parameters)
     if CACHE_NAME != NEW_CACHE_ARGUMENT:
@@ -92,10 +105,7 @@ def accepts_cache_argument(forward: Callable) -> Callable:
 
     @functools.wraps(forward_taking_either_cache_name)
     def forward_warning_of_the_old_cache_name(self, *args, **kwargs):
-        # Both names given is refused before `deprecate_kwarg` would keep `cache` and drop the other with a warning:
-        # two different caches passed is a mistake to name, not one to guess at.
-        if kwargs.get(NEW_CACHE_ARGUMENT) is not None and kwargs.get("past_key_values") is not None:
-            raise ValueError("Pass the cache once: as `cache` or as `past_key_values`, not both.")
+        refuse_both_cache_names(kwargs)
         return renaming(self, *args, **kwargs)
 
     return forward_warning_of_the_old_cache_name

@@ -1137,3 +1137,160 @@ def test_a_weight_onednn_cannot_pack_falls_back_to_plain_products(always_prepack
         always_prepack.PREPACK_INFERENCE_WEIGHTS = False
         plain = model(input_ids=source, decoder_input_ids=target).logits
     assert torch.equal(fallback, plain)
+
+
+# ---- boundaries and seams the mutation run found untested ----------------------------------------------------------
+
+
+def test_learned_positions_cover_exactly_max_positions_tokens():
+    """fairseq's learned table has `max_positions + padding_idx + 1` rows (its checkpoints' shape): a sentence of
+    exactly `max_positions` tokens, at once or one step at a time, gets the rows after the padding row; one token
+    more is a clear error. The sinusoidal table grows past its initial size with the same values."""
+    from flexformers.modeling.positional_embeddings import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
+
+    torch.manual_seed(0)
+    learned = LearnedPositionalEmbedding(max_positions=5, embedding_dim=4, padding_idx=PAD)
+    assert learned.weight.shape == (5 + PAD + 1, 4)
+    tokens = torch.full((1, 5), 7)
+    torch.testing.assert_close(learned(tokens)[0], learned.weight[PAD + 1 : PAD + 6], rtol=0, atol=0)
+    torch.testing.assert_close(learned(tokens[:, :1], past_length=4)[0], learned.weight[PAD + 5 :], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="length 6 exceeds the 5 learned positions"):
+        learned(torch.full((1, 6), 7))
+    with pytest.raises(ValueError, match="length 6 exceeds the 5 learned positions"):
+        learned(tokens[:, :1], past_length=5)
+    sinusoidal = SinusoidalPositionalEmbedding(6, PAD, init_size=5)
+    table = sinusoidal_table(5 + PAD + 2, 6, PAD)
+    torch.testing.assert_close(sinusoidal(torch.full((1, 5), 7))[0], table[PAD + 1 : PAD + 6], rtol=0, atol=0)
+    torch.testing.assert_close(sinusoidal(tokens[:, :1], past_length=5)[0], table[PAD + 6 :], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("side", ["source", "target"])
+def test_a_sentence_of_exactly_max_positions_tokens_runs_with_learned_positions(side):
+    model = tiny_model(
+        encoder_learned_pos=True, decoder_learned_pos=True, max_source_positions=7, max_target_positions=6
+    )
+    source, target = batch(src_len=7, tgt_len=6)
+    with torch.no_grad():
+        assert model(input_ids=source, decoder_input_ids=target).logits.shape == (3, 6, 60)
+        longer = {"source": {"input_ids": torch.cat([source, source[:, :1]], dim=1), "decoder_input_ids": target},
+                  "target": {"input_ids": source, "decoder_input_ids": torch.cat([target, target[:, :1]], dim=1)}}
+        field = "max_source_positions" if side == "source" else "max_target_positions"
+        with pytest.raises(ValueError, match=field):
+            model(**longer[side])
+
+
+@pytest.mark.parametrize("mean_resizing", [True, False])
+@pytest.mark.parametrize("vocabulary", ["shared", "separate target"])
+def test_resizing_honours_mean_resizing_for_the_decoder_table_and_projection(vocabulary, mean_resizing):
+    """Transformers' `mean_resizing` (the default): added rows of the decoder table and of the (untied) output
+    projection start at the mean of the old rows, so the new words do not shift the output distribution;
+    `mean_resizing=False` draws them from the model's own initialisation instead."""
+    model = tiny_model(target_vocab_size=50 if vocabulary == "separate target" else None)
+    table, projection = model.get_decoder().embed_tokens, model.get_output_embeddings()
+    old_table, old_projection = table.weight.detach().clone(), projection.weight.detach().clone()
+    old_size = old_table.shape[0]
+    new_size = old_size + 6
+    if vocabulary == "shared":
+        model.resize_token_embeddings(new_size, **({} if mean_resizing else {"mean_resizing": False}))
+    else:
+        model.resize_decoder_token_embeddings(new_size, **({} if mean_resizing else {"mean_resizing": False}))
+    assert projection.weight.shape[0] == model.get_decoder().embed_tokens.weight.shape[0] == new_size
+    for resized, old in ((model.get_decoder().embed_tokens.weight, old_table), (projection.weight, old_projection)):
+        torch.testing.assert_close(resized[:old_size], old, rtol=0, atol=0)
+        added = resized[old_size:].detach()
+        at_mean = torch.allclose(added, old.mean(0).expand_as(added), atol=1e-3, rtol=0)
+        assert at_mean == mean_resizing
+
+
+def test_collector_hands_its_step_buffer_to_a_dynamic_layer_without_another_copy():
+    """Row blocks of a step over a plain `DynamicCache` write into one buffer holding past + new: `flush` makes that
+    buffer the layer's keys/values (no second concatenation of the past), and the cache equals a plain step's."""
+    model = tiny_model()
+    with torch.no_grad():
+        _, dynamic = _cache_after_steps_and_a_copy(model, 2)
+        layer = dynamic.self_attention_cache.layers[0]
+        assert type(layer) is DynamicLayer and layer.get_seq_length() == 2
+        reference = DynamicCache()
+        reference.update(layer.keys.clone(), layer.values.clone(), 0)
+        attention = model.model.decoder.layers[0].self_attn
+        keys, values = attention.project_key_value(torch.randn(3, 1, 32))
+        collector = StepKVCollector(dynamic.self_attention_cache, 0, 3)
+        full_keys, full_values, past_length = collector.extend(slice(0, 2), keys[:2], values[:2])
+        collector.extend(slice(2, 3), keys[2:], values[2:])
+        collector.flush()
+    reference.update(keys, values, 0)
+    assert past_length == 2
+    assert layer.keys.data_ptr() == full_keys.data_ptr() and layer.values.data_ptr() == full_values.data_ptr()
+    assert torch.equal(layer.keys, reference.layers[0].keys) and torch.equal(layer.values, reference.layers[0].values)
+
+
+def test_masked_plan_gives_the_row_plans_outputs_and_attention_weights():
+    """The plan `torch.export` gets (every step on every row, kept in the rows whose next sub-layer it is, by a
+    boolean row mask) gives the eager row plan's logits and, row by row, the attention weights of the sub-layer each
+    row ran — not another row's, not zeros."""
+    model = tiny_model()
+    source, target = batch()
+
+    def orders():
+        return (PerRowSublayerOrder(torch.tensor([1, 0, 2]), ORDERS),
+                PerRowSublayerOrder(torch.tensor([1, 1, 0]), [("self_attn", "ffn"), ("ffn", "self_attn")]))
+
+    outputs = []
+    for masked in (False, True):
+        decoder_order, encoder_order = orders()
+        if masked:
+            for order in (decoder_order, encoder_order):
+                order._plan = order._masked_plan()
+                assert any(isinstance(rows, torch.Tensor) and rows.dtype == torch.bool
+                           for step in order.stage_plan for _, rows in step)
+        with torch.no_grad():
+            outputs.append(model(
+                input_ids=source, decoder_input_ids=target, decoder_sublayer_order=decoder_order,
+                encoder_sublayer_order=encoder_order, output_attentions=True,
+            ))
+    rows_plan, masked_plan = outputs
+    torch.testing.assert_close(masked_plan.logits, rows_plan.logits, atol=1e-5, rtol=0)
+    for name in ("encoder_attentions", "decoder_attentions", "cross_attentions"):
+        for expected, got in zip(getattr(rows_plan, name), getattr(masked_plan, name), strict=True):
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+            torch.testing.assert_close(got.sum(-1), torch.ones_like(got.sum(-1)), atol=1e-5, rtol=0)
+
+
+def test_packed_products_are_on_by_default_where_onednn_packs_and_multiplies(monkeypatch):
+    """The CPU fast path's condition is this torch build's oneDNN packing a weight and multiplying by it: where it
+    does, prepacking is possible and on by default, and a decoding step's product over a 512×512 weight takes the
+    packed path (same values as `F.linear`); without oneDNN it is off."""
+    import flexformers.modeling.cpu_kernels as kernels
+
+    torch.manual_seed(0)
+    layer, inputs = torch.nn.Linear(512, 512), torch.randn(4, 512)
+    with torch.no_grad():
+        plain = torch.nn.functional.linear(inputs, layer.weight, layer.bias)
+        try:
+            packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight, 4)
+            by_onednn = torch.ops.mkldnn._linear_pointwise(inputs, packed_weight, layer.bias, "none", [], "")
+        except (AttributeError, RuntimeError):
+            by_onednn = None
+    if not torch.backends.mkldnn.is_available() or by_onednn is None:
+        pytest.skip("this torch build cannot pack a linear weight with oneDNN")
+    torch.testing.assert_close(by_onednn, plain, atol=1e-5, rtol=1e-5)
+    assert kernels._prepacking_possible() and kernels.PREPACK_INFERENCE_WEIGHTS
+    with torch.no_grad():
+        torch.testing.assert_close(kernels.linear(layer, inputs, layer.weight, layer.bias), plain, atol=1e-5, rtol=1e-5)
+    assert kernels._PACKED_WEIGHTS[layer][1] is not None  # the packed path ran
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert not kernels._prepacking_possible()
+
+
+def test_resizing_pads_the_target_vocabulary_to_the_multiple_asked_for():
+    """`pad_to_multiple_of` reaches every target-side table: the decoder table, the output projection and the config
+    (a shared vocabulary through `resize_token_embeddings`, a separate one through `resize_decoder_token_embeddings`)."""
+    shared = tiny_model()
+    shared.resize_token_embeddings(61, pad_to_multiple_of=8, mean_resizing=False)
+    separate = tiny_model(target_vocab_size=50)
+    separate.resize_decoder_token_embeddings(53, pad_to_multiple_of=8, mean_resizing=False)
+    for model, size_field, padded in ((shared, "vocab_size", 64), (separate, "target_vocab_size", 56)):
+        assert model.get_decoder().embed_tokens.weight.shape[0] == padded
+        assert model.get_output_embeddings().weight.shape[0] == padded
+        assert getattr(model.config, size_field) == padded
+    assert separate.get_encoder().embed_tokens.weight.shape[0] == 60

@@ -574,3 +574,213 @@ def test_order_table_reuses_the_models_own_decoding(monkeypatch):
     assert reused["overall"]["predicted"] == 0.0 and reused["scores"] == decoded["scores"]
     with pytest.raises(ValueError, match="3 lines for 4 sources"):
         iot_order_analysis.order_table(model, None, None, sources, references, predicted_hypotheses=["q"] * 3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Issue 65: tests that catch wrong maths (surviving mutants of modeling_iot / iot_equations / sublayer_order)
+# ---------------------------------------------------------------------------------------------------------------
+
+from transformers.modeling_outputs import BaseModelOutput  # noqa: E402
+
+from flexformers.modeling.iot_equations import sample_gumbel  # noqa: E402
+from flexformers.modeling.sublayer_order import PerRowSublayerOrder, shortest_common_schedule  # noqa: E402
+
+
+def _sublayers_run_per_row(plan, batch_size):
+    """Replay a stage plan: the sub-layers each row runs, in order (rows=None: every row; a slice, an index
+    tensor or a boolean mask: those rows)."""
+    runs = [[] for _ in range(batch_size)]
+    for step in plan:
+        for name, rows in step:
+            if rows is None:
+                selected = range(batch_size)
+            elif isinstance(rows, slice):
+                selected = range(rows.start, rows.stop)
+            elif rows.dtype == torch.bool:
+                selected = torch.nonzero(rows).flatten().tolist()
+            else:
+                selected = rows.tolist()
+            for row in selected:
+                runs[row].append(name)
+    return runs
+
+
+@pytest.mark.parametrize("codes", [[1, 2, 4, 6], [1, 2]])
+def test_masked_row_plan_runs_each_row_its_own_order_once(codes):
+    """The plan without host reads (what `torch.export` gets): one step per sub-layer of a shortest common
+    schedule of every candidate; each row, through its mask, runs exactly its own order's sub-layers, in order —
+    also after an order has finished while others still run."""
+    from flexformers.configuration.configuration_iot import DECODER_ORDER_CODES as CODES
+
+    orders = [CODES[code] for code in codes]
+    order_index = torch.tensor([len(codes) - 1, 0, 1, 0, len(codes) - 1, 1])
+    plan = PerRowSublayerOrder(order_index, orders)._masked_plan()
+    assert len(plan) == len(shortest_common_schedule(orders))
+    assert _sublayers_run_per_row(plan, 6) == [list(orders[i]) for i in order_index.tolist()]
+    assert all(rows is None or rows.dtype == torch.bool for step in plan for _, rows in step)
+
+
+def test_iot_masked_row_plan_gives_the_eager_plans_outputs(monkeypatch):
+    """Mixed encoder and decoder orders run with the masked plan (as while `torch.export` traces: every step on
+    every row, kept where it is the row's next sub-layer) give the eager per-row plan's logits and attentions."""
+    model = tiny_iot(encoder_orders=[1, 2], decoder_orders=[1, 2, 4, 6])
+    diverse_predictors(model)
+    model.eval()
+    input_ids, mask, labels = batch()
+    decoder_input_ids = model.prepare_decoder_input_ids_from_labels(labels)
+    codes = model.predict_orders(input_ids, mask)
+    assert len(set(codes[0].tolist())) == 2 and len(set(codes[1].tolist())) > 2  # both sides mix orders
+
+    def run():
+        with torch.no_grad():
+            return model(input_ids=input_ids, attention_mask=mask, decoder_input_ids=decoder_input_ids,
+                         use_cache=False, output_attentions=True)
+
+    eager = run()
+    built = []
+    original_masked_plan = PerRowSublayerOrder._masked_plan
+
+    def recording_masked_plan(self):
+        built.append(len(self.orders))
+        return original_masked_plan(self)
+
+    monkeypatch.setattr(PerRowSublayerOrder, "_masked_plan", recording_masked_plan)
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
+    masked = run()
+    assert sorted(built) == [2, 4]  # the encoder's and the decoder's plans were both the masked ones
+    torch.testing.assert_close(masked.logits, eager.logits, atol=1e-5, rtol=0)
+    for name in ("encoder_attentions", "decoder_attentions", "cross_attentions"):
+        for expected, got in zip(getattr(eager, name), getattr(masked, name), strict=True):
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
+def test_select_keeps_each_selected_rows_order():
+    """`select(rows)` (e.g. a beam reorder): row j of the result runs the order of row `rows[j]`."""
+    from flexformers.configuration.configuration_iot import DECODER_ORDER_CODES as CODES
+
+    orders = [CODES[1], CODES[2], CODES[4]]
+    per_row = PerRowSublayerOrder(torch.tensor([2, 0, 1, 1]), orders)
+    rows = torch.tensor([3, 0, 0, 1, 2])
+    selected = per_row.select(rows)
+    assert selected.order_index.tolist() == [1, 2, 2, 0, 1]
+    assert _sublayers_run_per_row(selected.stage_plan, 5) == [list(orders[i]) for i in (1, 2, 2, 0, 1)]
+
+
+def test_gumbel_noise_is_made_on_the_logits_device():
+    """Eq. 1's noise lives where the logits do (an accelerator, here the meta device), not on the CPU."""
+    meta = torch.device("meta")
+    assert sample_gumbel((2, 3), meta).device == meta
+    confidences, probs = gumbel_softmax_confidences(torch.zeros(2, 3, device=meta), 1.0, 0.05)
+    assert confidences.device == meta and probs.device == meta
+
+
+def test_gumbel_noise_comes_from_the_given_generator():
+    """g = −log(−log U) with U drawn from the caller's generator: reproducible from its seed, and the global
+    random state is left alone (the training step's dropout masks do not shift)."""
+    state = torch.get_rng_state()
+    noise = sample_gumbel((4, 3), "cpu", torch.Generator().manual_seed(11))
+    assert torch.equal(torch.get_rng_state(), state)
+    uniform = torch.rand((4, 3), generator=torch.Generator().manual_seed(11))
+    torch.testing.assert_close(noise, -torch.log(-torch.log(uniform)), atol=0, rtol=0)
+    logits = torch.tensor([[0.3, -0.2, 1.0]]).expand(4, -1)
+    confidences, _ = gumbel_softmax_confidences(logits, 2.0, 0.05, generator=torch.Generator().manual_seed(11))
+    expected, _ = gumbel_softmax_confidences(logits, 2.0, 0.05, gumbel_noise=noise)
+    torch.testing.assert_close(confidences, expected, atol=0, rtol=0)
+
+
+def test_weighted_path_loss_is_in_the_path_losses_precision():
+    """Eq. 3's sum comes back in the dtype of the path losses it weights (the caller's precision), whatever the
+    confidences' dtype, with the value of γ_m λ_n L^{m,n} summed."""
+    path_losses = torch.tensor([[[1.0, 2.0]], [[3.0, 5.0]]])  # [b=2, M=1, N=2]
+    gamma = torch.ones(2, 1)
+    lam = torch.tensor([[[0.25, 0.75]], [[0.5, 0.5]]])
+    low = weighted_path_loss(path_losses.bfloat16(), gamma, lam)
+    assert low.dtype == torch.bfloat16 and low.item() == pytest.approx(5.75, abs=0.05)
+    double = weighted_path_loss(path_losses, gamma.double(), lam.double())
+    assert double.dtype == torch.float32 and double.item() == pytest.approx(5.75, abs=1e-6)
+
+
+def test_auxiliary_losses_of_the_per_encoder_order_decoder_distributions():
+    """The decoder predictor's distributions are `[b, M, N]`: K = N is the last dimension. L_D (Eq. 5) is then the
+    mean over encoder orders of each one's L_D, L_S (Eq. 6) the mean over all (sentence, m); both 0 at uniform."""
+    uniform = torch.full((3, 2, 4), 0.25)  # M = 2 ≠ N = 4
+    assert diversity_loss(uniform).item() == pytest.approx(0.0, abs=1e-6)
+    assert sharpness_loss(uniform, 0.05).item() == pytest.approx(0.0, abs=1e-6)
+    probs = torch.softmax(torch.randn(3, 2, 4, generator=torch.Generator().manual_seed(2)), dim=-1)
+    per_m = torch.stack([diversity_loss(probs[:, m]) for m in range(2)]).mean()
+    assert diversity_loss(probs).item() == pytest.approx(per_m.item(), abs=1e-6)
+    assert sharpness_loss(probs, 0.05).item() == pytest.approx(sharpness_loss(probs.reshape(6, 4), 0.05).item())
+
+
+@pytest.mark.parametrize("mode", ["predictor", "equal"])
+def test_encoder_outputs_from_elsewhere_get_the_decoder_orders_of_eq4(mode):
+    """Encoder outputs computed elsewhere (a plain `BaseModelOutput`, or a tuple) get the decoder order of Eq. 4 —
+    the predictor's argmax per sentence, or the fixed inference order of the "equal" mode — and decode exactly as
+    when the model encodes `input_ids` itself."""
+    if mode == "predictor":
+        model = tiny_iot(decoder_orders=[1, 2, 4, 6])
+        diverse_predictors(model)
+    else:
+        model = tiny_iot(order_selection="equal", decoder_orders=[1, 4, 6], inference_decoder_order=6)
+    model.eval()
+    input_ids, mask, labels = batch()
+    decoder_input_ids = model.prepare_decoder_input_ids_from_labels(labels)
+    with torch.no_grad():
+        own = model(input_ids=input_ids, attention_mask=mask, decoder_input_ids=decoder_input_ids)
+        states = model.get_encoder()(input_ids=input_ids, attention_mask=mask).last_hidden_state
+        for encoder_outputs in (BaseModelOutput(last_hidden_state=states), (states,)):
+            given = model(attention_mask=mask, encoder_outputs=encoder_outputs, decoder_input_ids=decoder_input_ids)
+            assert torch.equal(given.decoder_order_index, own.decoder_order_index)
+            torch.testing.assert_close(given.logits, own.logits, atol=1e-6, rtol=0)
+    if mode == "predictor":
+        assert len(set(own.decoder_order_index.tolist())) > 1
+    else:
+        assert own.decoder_order_index.tolist() == [2] * input_ids.shape[0]  # code 6
+
+
+def test_path_losses_of_a_one_token_batch_are_that_tokens_losses():
+    """A batch with a single target token (an EOS-only target): each path's per-token loss is that token's loss
+    on the path, and Eq. 7 with weights 1 ("equal" mode) is their sum."""
+    model = tiny_iot(order_selection="equal", encoder_orders=[1, 2], decoder_orders=[1, 4], label_smoothing=0.1)
+    input_ids, mask, labels = batch(size=2)
+    labels[:] = -100
+    labels[0, 0] = 2
+    model.train()
+    out = model(input_ids=input_ids, attention_mask=mask, labels=labels)
+    model.eval()
+    separate = torch.zeros(2, 2)
+    for m, enc_code in enumerate([1, 2]):
+        for n, dec_code in enumerate([1, 4]):
+            encoded = model.encode_with_orders(input_ids, mask, encoder_order=enc_code, decoder_order=dec_code)
+            separate[m, n] = model(attention_mask=mask, encoder_outputs=encoded, labels=labels).loss
+    assert torch.allclose(out.path_losses, separate, atol=1e-5)
+    assert out.loss.item() == pytest.approx(separate.sum().item(), abs=1e-4)
+
+
+def test_training_outputs_hold_each_sentences_chosen_path_states_and_attentions():
+    """In training, the returned hidden states and attention weights of the encoder and the decoder are those of
+    each sentence's chosen (argmax) encoder × decoder path, as an eval pass forced onto that path gives them."""
+    model = tiny_iot(encoder_orders=[1, 2], decoder_orders=[1, 2, 4, 6])
+    diverse_predictors(model)
+    input_ids, mask, labels = batch()
+    model.train()
+    with torch.no_grad():
+        out = model(input_ids=input_ids, attention_mask=mask, labels=labels, output_hidden_states=True,
+                    output_attentions=True)
+    encoder_codes, decoder_codes = model.order_codes(out.encoder_order_index, out.decoder_order_index)
+    assert len(set(zip(encoder_codes.tolist(), decoder_codes.tolist()))) > 2  # sentences take different paths
+    fields = ("encoder_hidden_states", "encoder_attentions", "decoder_hidden_states", "decoder_attentions",
+              "cross_attentions")
+    model.eval()
+    for sentence, (enc_code, dec_code) in enumerate(zip(encoder_codes.tolist(), decoder_codes.tolist())):
+        with torch.no_grad():
+            encoded = model.encode_with_orders(input_ids, mask, encoder_order=enc_code, decoder_order=dec_code,
+                                               output_attentions=True, output_hidden_states=True)
+            forced = model(attention_mask=mask, encoder_outputs=encoded, labels=labels, output_hidden_states=True,
+                           output_attentions=True)
+        for name in fields:
+            got, expected = getattr(out, name), getattr(forced, name)
+            assert got is not None and len(got) == len(expected), name
+            for got_block, expected_block in zip(got, expected):
+                torch.testing.assert_close(got_block[sentence], expected_block[sentence], atol=1e-5, rtol=0)
+        torch.testing.assert_close(out.logits[sentence], forced.logits[sentence], atol=1e-5, rtol=0)

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
@@ -19,10 +20,12 @@ from transformers import (
 import flexformers.modeling  # noqa: F401  (registers the Auto classes)
 from flexformers.configuration.configuration_flexformer import FlexformerConfig
 from flexformers.configuration.configuration_mat import MAT_PRESETS, MATConfig, MATRobertaConfig, mat_parameter_count
+from flexformers.modeling import branch_merge
 from flexformers.modeling.modeling_flexformer import FlexformerAttention, FlexformerFeedForward, FlexformerForConditionalGeneration
 from flexformers.modeling.modeling_mat import (
     MATAttention,
     MATBertForSequenceClassification,
+    MATEncoderAttentionOutput,
     MATFeedForward,
     MATForConditionalGeneration,
     MATRobertaForSequenceClassification,
@@ -489,3 +492,213 @@ def test_bert_classifier_proximal_init_equals_encoder(tmp_path):
         actual = model.bert(input_ids, attention_mask=mask)
     torch.testing.assert_close(actual.last_hidden_state, expected.last_hidden_state, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(actual.pooler_output, expected.pooler_output, atol=1e-5, rtol=1e-5)
+
+
+# ---- issue 65: mutation survivors (checkpoints of the earlier merge layout, devices, drop-head in the classifier) ----
+
+
+def _earlier_layout(state: dict[str, torch.Tensor], one_branch_merges: bool = True) -> dict[str, torch.Tensor]:
+    """`state` as flexformers 0.1.0 saved it: every merge bias `[B, out]` under `<name>.bias` (`[1, out]` for
+    one branch: every `out_proj` / `fc2` of the encoder-decoder; the classifier's other Linears never were merges),
+    written here from the layout's description, not with the code under test."""
+    earlier = {}
+    for key, tensor in state.items():
+        module_path, _, leaf = key.rpartition(".")
+        if one_branch_merges and leaf == "bias" and module_path.rpartition(".")[2] in ("out_proj", "fc2"):
+            earlier[key] = tensor.unsqueeze(0)
+        elif key.endswith("_branch_bias"):
+            earlier[key.removesuffix("_branch_bias") + ".bias"] = tensor
+        else:
+            earlier[key] = tensor
+    return earlier
+
+
+def test_upgrade_merge_bias_keys_maps_each_earlier_merge_bias_to_its_current_key():
+    shapes = {
+        "model.encoder.layers.0.self_attn.out_proj.bias": (1, 32),  # one branch: stays, squeezed
+        "model.encoder.layers.0.self_attn.out_proj.weight": (32, 32),
+        "model.decoder.layers.1.fc2.bias": (3, 32),  # three branches: moves to the branch bias
+        "roberta.encoder.layer.0.attention.output.dense.bias": (2, 32),
+        "model.encoder.layers.0.self_attn.q_proj.bias": (2, 32),  # not a merge: left alone whatever its shape
+        "model.encoder.layers.1.self_attn.out_proj.bias": (32,),  # already current
+    }
+    assert branch_merge.upgrade_merge_bias_keys(shapes) == {
+        "model.encoder.layers.0.self_attn.out_proj.bias": ("model.encoder.layers.0.self_attn.out_proj.bias", True),
+        "model.decoder.layers.1.fc2.bias": ("model.decoder.layers.1.fc2_branch_bias", False),
+        "roberta.encoder.layer.0.attention.output.dense.bias": (
+            "roberta.encoder.layer.0.attention.output.dense_branch_bias", False),
+    }
+    current = {"model.encoder.layers.1.self_attn.out_proj.bias": (32,), "lm_head.weight": (60, 32)}
+    assert branch_merge.upgrade_merge_bias_keys(current) == {}
+
+
+def test_upgrade_merge_biases_changes_only_the_merge_biases():
+    torch.manual_seed(20)
+    state = {
+        "a.out_proj.bias": torch.randn(1, 4),
+        "a.out_proj.weight": torch.randn(4, 8),
+        "b.fc2.bias": torch.randn(2, 4),
+        "b.fc1.weight": torch.randn(6, 4),
+        "b.fc1.bias": torch.randn(6),
+    }
+    upgraded = branch_merge.upgrade_merge_biases(state)
+    assert set(upgraded) == {"a.out_proj.bias", "a.out_proj.weight", "b.fc2_branch_bias", "b.fc1.weight", "b.fc1.bias"}
+    assert torch.equal(upgraded["a.out_proj.bias"], state["a.out_proj.bias"][0])
+    assert torch.equal(upgraded["b.fc2_branch_bias"], state["b.fc2.bias"])
+    for key in ("a.out_proj.weight", "b.fc1.weight", "b.fc1.bias"):
+        assert torch.equal(upgraded[key], state[key]), key
+
+
+def _mat_with_biases(seed: int) -> MATForConditionalGeneration:
+    torch.manual_seed(seed)
+    model = MATForConditionalGeneration(MATConfig(**TINY, encoder_attention_branches=2, decoder_ffn_branches=2)).eval()
+    _perturb_biases(model)
+    return model
+
+
+def test_a_state_dict_of_the_earlier_layout_loads_into_mat_modules(batch):
+    """The load hook (Trainer's resume, `load_state_dict` of an old file): one-branch and multi-branch merges."""
+    model = _mat_with_biases(21)
+    earlier = _earlier_layout(model.state_dict())
+    assert any(tensor.dim() == 2 and tensor.shape[0] == 1 for key, tensor in earlier.items() if key.endswith(".bias"))
+    fresh = _mat_with_biases(22)
+    fresh.load_state_dict(earlier)  # strict: no key left over or missing
+    with torch.no_grad():
+        assert torch.equal(fresh(**batch).logits, model(**batch).logits)
+    classifier = MATRobertaForSequenceClassification(MATRobertaConfig(**ENCODER, num_attention_branches=2)).eval()
+    _perturb_biases(classifier)
+    other = MATRobertaForSequenceClassification(MATRobertaConfig(**ENCODER, num_attention_branches=2)).eval()
+    other.load_state_dict(_earlier_layout(classifier.state_dict(), one_branch_merges=False))
+    input_ids, mask = _encoder_batch()
+    with torch.no_grad():
+        assert torch.equal(other(input_ids, attention_mask=mask).logits, classifier(input_ids, attention_mask=mask).logits)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_checkpoint_folder_of_the_earlier_layout_loads_through_an_upgraded_copy(sharded, batch, tmp_path, monkeypatch):
+    model = _mat_with_biases(23)
+    folder = tmp_path / "old"
+    model.save_pretrained(folder, **({"max_shard_size": "20KB"} if sharded else {}))
+    weight_files = sorted(folder.glob("*.safetensors"))
+    assert (len(weight_files) > 1) == sharded and (folder / "model.safetensors.index.json").is_file() == sharded
+    saved = {}  # what save_pretrained wrote (tied weights once)
+    for path in weight_files:
+        saved.update(load_file(path))
+        save_file(_earlier_layout(load_file(path)), path, metadata={"format": "pt"})
+    before = {path.name: path.read_bytes() for path in folder.iterdir()}
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # nothing may be written to the working directory either
+
+    assert branch_merge.old_layout_checkpoint_keys(str(folder))  # a folder named by a string
+    assert branch_merge.checkpoint_in_current_layout(str(tmp_path / "missing"), str(tmp_path)) == str(tmp_path / "missing")
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    upgraded = branch_merge.checkpoint_in_current_layout(str(folder), str(workspace))
+    assert upgraded == str(workspace)
+    assert (workspace / "config.json").is_symlink() and (workspace / "config.json").read_bytes() == before["config.json"]
+    upgraded_files = sorted(workspace.glob("*.safetensors"))
+    assert [path.name for path in upgraded_files] == [path.name for path in weight_files]
+    current = {}
+    for path in upgraded_files:
+        assert not path.is_symlink()
+        current.update({key: (path.name, tensor) for key, tensor in load_file(path).items()})
+    assert set(current) == set(saved)
+    for key, (_, tensor) in current.items():
+        assert torch.equal(tensor, saved[key]), key
+    if sharded:
+        index = json.loads((workspace / "model.safetensors.index.json").read_text())
+        assert index["weight_map"] == {key: file for key, (file, _) in current.items()}
+        assert index["metadata"] == json.loads(before["model.safetensors.index.json"])["metadata"]
+
+    loaded = MATForConditionalGeneration.from_pretrained(str(folder)).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(**batch).logits, model(**batch).logits)
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before  # the user's folder never written
+    assert list(elsewhere.iterdir()) == []
+
+    model.save_pretrained(tmp_path / "current")  # a current checkpoint is used where it is
+    assert branch_merge.checkpoint_in_current_layout(str(tmp_path / "current"), str(workspace)) == str(tmp_path / "current")
+
+
+def test_branch_and_head_factors_are_made_on_the_device_asked_for():
+    """`meta` stands in for an accelerator: a factor made on the default device instead would not multiply."""
+    for training, rate in ((False, 0.0), (True, 0.0), (True, 0.5)):
+        assert drop_branch_keep_scales(3, rate, training=training, device="meta").device.type == "meta"
+    assert drop_head_keep_scales(2, 4, 0.5, training=True, device="meta").device.type == "meta"
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_mat_layers_run_on_the_device_of_their_inputs(mode):
+    """The official merge always builds its weights, so every merge hook must put them on the inputs' device."""
+    config = MATConfig(**TINY, branch_merge="official", drop_branch_rate=0.3, drop_head_rate=0.3)
+    with torch.device("meta"):
+        attention = getattr(MATAttention(config, 32, 4, num_branches=2), mode)()
+        feed_forward = getattr(MATFeedForward(config, 32, 16, num_branches=2), mode)()
+        output = getattr(MATEncoderAttentionOutput(MATRobertaConfig(**ENCODER, branch_merge="official",
+                                                                    drop_branch_rate=0.3, drop_head_rate=0.3)), mode)()
+    x = torch.randn(2, 5, 32, device="meta")
+    assert attention(x)[0].device.type == "meta" and attention(x)[0].shape == x.shape
+    assert feed_forward(x).device.type == "meta" and feed_forward(x).shape == x.shape
+    assert output(torch.randn(2, 5, 64, device="meta"), x).device.type == "meta"
+
+
+def test_classifier_drop_head_matches_per_head_reference():
+    """Eq. 9-10 in the encoder-only classifier: head j of branch i scaled by I{U_ij >= ρ}/(1-ρ), then each
+    branch's own projection averaged (Eq. 4), computed here head by head and branch by branch."""
+    branches, heads, d = 2, ENCODER["num_attention_heads"], ENCODER["hidden_size"]
+    config = MATRobertaConfig(**ENCODER, num_attention_branches=branches, drop_branch_rate=0.0, drop_head_rate=0.5)
+    torch.manual_seed(24)
+    module = _init_standalone(MATEncoderAttentionOutput(config)).train()
+    hidden, residual = torch.randn(3, 5, branches * d), torch.randn(3, 5, d)
+    torch.manual_seed(98)
+    factors = drop_head_keep_scales(branches, heads, 0.5, training=True)
+    assert 0 < factors.count_nonzero() < branches * heads, "seed chosen so some heads drop"
+    torch.manual_seed(98)
+    with torch.no_grad():
+        output = module(hidden, residual)
+        head_dim = d // heads
+        merged = 0
+        for branch in range(branches):
+            columns = slice(branch * d, (branch + 1) * d)
+            scaled = torch.cat([hidden[..., branch * d + j * head_dim: branch * d + (j + 1) * head_dim]
+                                * factors[branch * heads + j] for j in range(heads)], -1)
+            merged = merged + (scaled @ module.dense.weight[:, columns].T + module.dense_branch_bias[branch]) / branches
+        reference = torch.nn.functional.layer_norm(merged + residual, (d,), module.LayerNorm.weight,
+                                                   module.LayerNorm.bias, config.layer_norm_eps)
+    torch.testing.assert_close(output, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("is_decoder", [False, True])
+def test_classifier_attends_like_its_encoder_without_a_mask(is_decoder):
+    """The stock layers build their self-attention with `is_causal=config.is_decoder`; the multi-branch ones must
+    too, or an unmasked call (every token real) would not be the encoder's function."""
+    torch.manual_seed(25)
+    base = RobertaModel(RobertaConfig(**ENCODER, is_decoder=is_decoder)).eval()
+    _perturb_biases(base)
+    model = MATRobertaForSequenceClassification.from_encoder(base, num_attention_branches=2).eval()
+    input_ids = torch.randint(3, ENCODER["vocab_size"], (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(model.roberta(input_ids).last_hidden_state, base(input_ids).last_hidden_state,
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_proximal_initialisation_starts_a_new_model_not_a_copy_of_the_checkpoint(baseline_dir, roberta_dir):
+    """The cloned model is not the checkpoint it came from: its config must not name that folder as its own."""
+    mat = MATForConditionalGeneration.from_baseline(baseline_dir, encoder_attention_branches=2)
+    assert mat.name_or_path == mat.config._name_or_path == ""
+    classifier = MATRobertaForSequenceClassification.from_encoder(roberta_dir, num_labels=2)
+    assert classifier.name_or_path == classifier.config._name_or_path == ""
+
+
+@pytest.mark.parametrize("model_class", [MATRobertaForSequenceClassification, MATBertForSequenceClassification])
+def test_a_classifier_built_from_its_config_starts_with_zero_branch_biases(model_class):
+    """Built from a config (not from an encoder), the per-branch merge biases start at zero like the stock bias,
+    not as whatever memory `torch.empty` held (which made the logits NaN)."""
+    torch.manual_seed(26)
+    model = model_class(model_class.config_class(**ENCODER, num_attention_branches=2)).eval()
+    for layer in model.base_model.encoder.layer:
+        assert torch.equal(layer.attention.output.dense_branch_bias, torch.zeros(2, ENCODER["hidden_size"]))
+    input_ids, mask = _encoder_batch()
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids, attention_mask=mask).logits).all()
