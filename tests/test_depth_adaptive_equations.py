@@ -7,6 +7,8 @@ import torch
 from torch import nn
 
 from flexformers.configuration.configuration_depth_adaptive import DepthAdaptiveConfig
+from flexformers.modeling import depth_adaptive_equations
+from flexformers.modeling.depth_adaptive_cache import CopiedStateCache
 from flexformers.modeling.depth_adaptive_equations import (
     aligned_decoding_loss,
     exit_loss,
@@ -33,6 +35,7 @@ from flexformers.modeling.depth_adaptive_flops import (
     sequence_flops,
     skipped_block_flops,
 )
+from flexformers.modeling.modeling_depth_adaptive import DepthAdaptiveForConditionalGeneration
 
 # ---------------------------------------------------------------------------------------------------------------- config
 
@@ -254,3 +257,122 @@ def test_sequence_flops_baseline_and_adaptive_by_hand():
     assert average_exit([[1, 2], [3]]) == 2.0
     with pytest.raises(ValueError, match="outside"):
         sequence_flops(SHAPE, [4], 5, "full")
+
+
+# ------------------------------------------------------------------ issue 65: behaviour the mutation run found untested
+
+TINY_DEPTH_ADAPTIVE = {
+    "vocab_size": 40,
+    "encoder_embed_dim": 8,
+    "decoder_embed_dim": 8,
+    "encoder_ffn_embed_dim": 16,
+    "decoder_ffn_embed_dim": 16,
+    "encoder_layers": 1,
+    "decoder_layers": 3,
+    "encoder_attention_heads": 2,
+    "decoder_attention_heads": 2,
+    "dropout": 0.0,
+    "max_source_positions": 16,
+    "max_target_positions": 16,
+}
+
+
+def tiny_depth_adaptive(**overrides) -> DepthAdaptiveForConditionalGeneration:
+    torch.manual_seed(0)
+    return DepthAdaptiveForConditionalGeneration(DepthAdaptiveConfig(**{**TINY_DEPTH_ADAPTIVE, **overrides})).eval()
+
+
+def test_mean_encoder_output_keeps_the_states_dtype_whatever_the_mask_dtype():
+    # A float32 attention mask with a bfloat16 model: s̄ must stay bfloat16 so W_h (bfloat16) can take it (Eq. 8).
+    states = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [100.0, 100.0]]], dtype=torch.bfloat16)
+    mean = mean_encoder_output(states, torch.tensor([[1.0, 1.0, 0.0]]))
+    assert mean.dtype == torch.bfloat16
+    torch.testing.assert_close(mean, torch.tensor([[2.0, 3.0]], dtype=torch.bfloat16))
+    projection = nn.Linear(2, 3).to(torch.bfloat16)
+    log_q = sequence_halting_log_probs(mean, projection)
+    torch.testing.assert_close(log_q.exp().sum(-1), torch.ones(1))
+
+
+def test_sequence_halting_ignores_padded_source_positions():
+    # Eq. 8 averages over the |x| real source tokens: padding a sentence must not change its q(n|x).
+    model = tiny_depth_adaptive(halting_mechanism="sequence")
+    halting = next(module for module in model.modules() if type(module).__name__ == "SequenceHalting")
+    torch.manual_seed(1)
+    states = torch.randn(2, 5, 8)
+    states[1, 3:] = 50.0  # padding states far from the real ones
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    with torch.no_grad():
+        padded = halting(states, mask)
+        alone = halting(states[1:, :3])
+        expected = torch.log_softmax(halting.projection(states[1, :3].mean(0)), dim=-1)
+    torch.testing.assert_close(padded[1], alone[0])
+    torch.testing.assert_close(padded[1], expected)
+
+
+def test_token_oracles_default_to_the_unsmoothed_unpenalised_equations():
+    # Without σ and λ, the token oracles are Eq. 14 / Eq. 16 (per-token argmax), the sequence ones Eq. 9 / Eq. 10.
+    # t1 (-1, -2) → 1, t2 (-10, -1) → 2; smoothing with σ = 1 would move t1 to block 2 (-4.68, -2.37).
+    token_ll = torch.tensor([[[-1.0, -2.0], [-10.0, -1.0]]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    assert token_likelihood_oracle(token_ll, mask).tolist() == [[1, 2]]
+    assert token_likelihood_oracle(token_ll, mask, 1.0).tolist() == [[2, 2]]
+    correct = torch.tensor([[[True, False], [False, True], [False, True]]])
+    assert token_correctness_oracle(correct, torch.ones(1, 3, dtype=torch.bool)).tolist() == [[1, 2, 2]]
+    # λ defaults to 0: LL^n = (-11, -3) → 2 even though λ = 10 would pick block 1.
+    assert sequence_likelihood_oracle(token_ll, mask).tolist() == [2]
+    assert sequence_correctness_oracle(correct, torch.ones(1, 3, dtype=torch.bool)).tolist() == [2]
+
+
+def test_smoothing_kernel_is_built_on_the_scores_device(monkeypatch):
+    # κ of Eq. 15 must be made where the scores are (an accelerator's scores with a host kernel fail, or copy every
+    # call); "meta" stands in for a second device on a CPU-only machine.
+    kernels = []
+
+    def recording_rbf_kernel(*args, **kwargs):
+        kernel = rbf_kernel(*args, **kwargs)
+        kernels.append(kernel)
+        return kernel
+
+    monkeypatch.setattr(depth_adaptive_equations, "rbf_kernel", recording_rbf_kernel)
+    scores = torch.zeros(2, 4, 3, device="meta")
+    smoothed = smooth_over_time(scores, torch.ones(2, 4, dtype=torch.bool, device="meta"), 1.0)
+    assert smoothed.device.type == "meta"
+    assert [kernel.device.type for kernel in kernels] == ["meta"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_token_oracles_run_on_cuda():
+    token_ll = torch.tensor([[[-1.0, -2.0], [-10.0, -1.0]]], device="cuda")
+    mask = torch.ones(1, 2, dtype=torch.bool, device="cuda")
+    assert token_likelihood_oracle(token_ll, mask, 1.0, 0.0).tolist() == [[2, 2]]
+
+
+def test_masked_classify_by_exit_matches_the_grouped_path_in_eager_mode():
+    # The torch.export path (every classifier on every position, keep each position's own) must give the same
+    # logits as the eager grouping by exit, with each position scored by W_n of its exit n (Eq. 3).
+    model = tiny_depth_adaptive()
+    torch.manual_seed(2)
+    states = torch.randn(2, 4, 8)
+    exits = torch.tensor([[1, 2, 3, 1], [3, 3, 2, 1]])
+    with torch.no_grad():
+        masked = model._classify_by_exit_masked(states, exits)
+        grouped = model.classify_by_exit(states, exits)
+        for block in (1, 2, 3):
+            own = model.classify(block, states)
+            torch.testing.assert_close(masked[exits == block], own[exits == block])
+    torch.testing.assert_close(masked, grouped)
+
+
+def test_copied_state_cache_is_reusable_after_reset():
+    cache = CopiedStateCache()
+    cache.record_copied_states(0, torch.ones(2, 1, 4))
+    cache.record_copied_states(1, torch.full((2, 1, 4), 2.0))
+    cache.reset()
+    with pytest.raises(RuntimeError, match="no copied states were recorded"):
+        cache.missing_copied_states(0, 1)
+    # a fresh generation with another batch size records and reads its own states only
+    states = torch.arange(12.0).view(3, 1, 4)
+    cache.record_copied_states(0, states)
+    torch.testing.assert_close(cache.missing_copied_states(0, 1), states)
+    with pytest.raises(RuntimeError, match="no copied states were recorded up to 2"):
+        cache.missing_copied_states(0, 2)
