@@ -262,3 +262,137 @@ def test_user_file_bad_lines_can_be_skipped_and_counted(tmp_path, caplog):
 def test_escape_line_roundtrip():
     text = "def f():\n\treturn '\\\\n'\r"
     assert "\n" not in escape_line(text) and unescape_line(escape_line(text)) == text
+
+
+# ------------------------------------------------------------------------------- surviving mutants (issue 65)
+from flexformers.training_scripts.data import SPLITS
+
+
+def test_cache_root_follows_flexformers_cache_else_home(tmp_path, monkeypatch):
+    from flexformers.training_scripts.data import cache_root
+
+    assert cache_root() == tmp_path / "cache" / "corpora"  # the autouse fixture's FLEXFORMERS_CACHE
+    monkeypatch.delenv("FLEXFORMERS_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "home" / ".cache" / "flexformers" / "corpora"
+
+
+def test_default_python_source_dirs_is_the_running_stdlib():
+    from flexformers.training_scripts.data import default_python_source_dirs
+
+    assert default_python_source_dirs() == [STDLIB]
+    assert (default_python_source_dirs()[0] / "textwrap.py").is_file()
+
+
+def test_list_python_files_skips_and_counts_dangling_links_and_fifos(tmp_path):
+    import os
+
+    from flexformers.training_scripts.data import SkipReport, list_python_files
+
+    (tmp_path / "good.py").write_text("x = 1\n")
+    (tmp_path / "dangling.py").symlink_to(tmp_path / "missing.py")
+    os.mkfifo(tmp_path / "pipe.py")  # reading a FIFO would block the corpus build forever
+    report = SkipReport()
+    assert list_python_files([tmp_path], report) == [tmp_path / "good.py"]
+    assert report.counts == {"dangling symlink": 1, "not a regular file": 1}
+
+
+def test_extract_documented_functions_dedents_docstrings_so_summary_splits_on_indented_blank_lines(tmp_path):
+    # the blank docstring line keeps its indentation (as many editors leave it): only a cleaned docstring has "\n\n"
+    source = "def f(x):\n    '''Double it.\n    \n    Longer explanation here.\n    '''\n    return 2 * x\n"
+    (tmp_path / "a.py").write_text(source)
+    [(doc, code, line)] = extract_documented_functions(tmp_path / "a.py")
+    assert (doc, code, line) == ("Double it.\n\nLonger explanation here.", "def f(x):\n    return 2 * x", 1)
+    corpus = build_codegen_corpus([tmp_path], docstring="summary", use_cache=False)
+    assert [r["source"] for split in corpus.values() for r in split] == ["Double it."]
+
+
+def test_codegen_skip_summary_names_the_corpus_and_the_reason(tmp_path, caplog):
+    (tmp_path / "ok.py").write_text("def add(a, b):\n    '''Add two numbers.'''\n    return a + b\n")
+    (tmp_path / "broken.py").write_text("def f(:\n    pass\n")
+    build_codegen_corpus([tmp_path], use_cache=False)
+    assert "codegen corpus: skipped {'unparseable file': 1} (first: unparseable file: " in caplog.text
+
+
+@pytest.mark.parametrize("direction", ["doc2code", "code2doc"])
+def test_codegen_split_hashes_the_docstring_so_a_docstring_never_straddles_splits(tmp_path, direction):
+    docs = ["Return a constant.", "Give back a fixed number."]
+    (tmp_path / "consts.py").write_text("".join(
+        f"def c{i}():\n    '''{docs[i % 2]}'''\n    return {i}\n\n" for i in range(40)))
+    corpus = build_codegen_corpus([tmp_path], direction=direction, use_cache=False)
+    doc_column = "source" if direction == "doc2code" else "target"
+    for split in SPLITS:
+        for doc in corpus[split][doc_column]:
+            assert split_of(doc) == split  # independent: the split of the docstring's own hash
+    assert sum(len(corpus[split]) for split in SPLITS) == 40
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture
+def _private_datasets_cache(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-datasets")
+
+
+def test_hub_corpus_from_a_local_dataset_folder_maps_columns_and_fills_missing_splits(tmp_path, _private_datasets_cache):
+    from flexformers.training_scripts.data import load_hub_corpus
+
+    rows = [{"en": f"hello {i}", "de": f"hallo {i}"} for i in range(20)]
+    folder = write_jsonl(tmp_path / "corpus" / "train.jsonl", rows).parent
+    corpus = load_hub_corpus(str(folder), None, "en", "de")
+    assert set(corpus) == {"train", "validation", "test"}
+    assert len(corpus["train"]) == 18 and len(corpus["validation"]) == 2
+    assert list(corpus["test"]["source"]) == list(corpus["validation"]["source"])  # no test split: reuses validation
+    pairs = {(r["source"], r["target"]) for split in ("train", "validation") for r in corpus[split]}
+    assert pairs == {(r["en"], r["de"]) for r in rows}
+
+
+def test_hub_corpus_translation_column_and_dev_split(tmp_path, _private_datasets_cache):
+    from flexformers.training_scripts.data import load_hub_corpus
+
+    folder = tmp_path / "wmt"
+    write_jsonl(folder / "train.jsonl", [{"translation": {"en": f"cat {i}", "de": f"Katze {i}"}} for i in range(5)])
+    write_jsonl(folder / "dev.jsonl", [{"translation": {"en": "dog", "de": "Hund"}}])
+    corpus = load_hub_corpus(str(folder), source_lang="en", target_lang="de")
+    assert list(corpus["train"]["source"]) == [f"cat {i}" for i in range(5)]
+    assert list(corpus["validation"]["target"]) == ["Hund"] and list(corpus["test"]["target"]) == ["Hund"]
+    with pytest.raises(ValueError, match="not en/fr"):
+        load_hub_corpus(str(folder), source_lang="en", target_lang="fr")
+
+
+def test_load_corpus_dispatches_word_order_files_and_hub(tmp_path, _private_datasets_cache):
+    from flexformers.training_scripts.arguments import DataArguments
+    from flexformers.training_scripts.data import load_corpus
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "m.py").write_text(
+        "def add(a, b):\n    '''Add the two given numbers together.'''\n    return a + b\n")
+    word_order = load_corpus(DataArguments(task="word_order", python_source_dirs=[str(tmp_path / "src")]))
+    assert [r["target"] for split in SPLITS for r in word_order[split]] == ["Add the two given numbers together."]
+    folder = write_jsonl(tmp_path / "hub" / "train.jsonl", [{"source": f"s{i}", "target": f"t{i}"} for i in range(10)]).parent
+    hub = load_corpus(DataArguments(task="hub", dataset_name=str(folder)))
+    assert sorted(list(hub["train"]["source"]) + list(hub["validation"]["source"])) == sorted(f"s{i}" for i in range(10))
+    train_file = write_jsonl(tmp_path / "train.jsonl", [{"source": "a", "target": "b"}])
+    files = load_corpus(DataArguments(task="files", train_file=str(train_file), validation_file=str(train_file)))
+    assert list(files["train"]["target"]) == ["b"] and list(files["test"]["target"]) == ["b"]
+
+
+def test_hub_corpus_not_reachable_offline_is_one_clear_error_naming_it(tmp_path, monkeypatch, _private_datasets_cache):
+    import datasets
+    import huggingface_hub
+
+    from flexformers.training_scripts.data import load_hub_corpus
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    # a ValueError, so flexformers-train prints one line instead of a ConnectionError traceback
+    with pytest.raises(ValueError, match=r"nobody-flexformers/no-such-corpus.*offline"):
+        load_hub_corpus("nobody-flexformers/no-such-corpus")

@@ -225,7 +225,7 @@ def test_a_checkpoint_without_or_with_a_damaged_optimizer_is_passed_over_and_res
     shutil.copytree(straight, damaged)
     (damaged / "checkpoint-4" / "optimizer.pt").unlink()
     chosen, skipped = find_latest_complete_checkpoint(damaged)
-    assert chosen == str(damaged / "checkpoint-4").replace("-4", "-2")
+    assert chosen == str(damaged / "checkpoint-2")
     assert skipped == [("checkpoint-4", "no optimizer.pt (the optimizer state an exact continuation needs)")]
 
     shutil.copy(straight / "checkpoint-4" / "optimizer.pt", damaged / "checkpoint-4" / "optimizer.pt")

@@ -675,7 +675,11 @@ def load_hub_corpus(
     """A ``datasets.load_dataset`` corpus mapped to ``source``/``target`` columns: the two named columns when the
     dataset has them, else the usual ``translation`` dict column with ``source_lang``/``target_lang`` keys.
     Needs the Hub (or a local cache)."""
-    raw = datasets.load_dataset(name, config_name)
+    try:
+        raw = datasets.load_dataset(name, config_name)
+    except ConnectionError as error:  # offline (HF_HUB_OFFLINE) or no network, and not in the local cache
+        raise ValueError(f"dataset {name!r} is not in the local cache and the Hub cannot be reached "
+                         f"(offline or no network): {error}") from error
     out = {}
     for split, dataset in raw.items():
         key = {"dev": "validation", "valid": "validation"}.get(split, split)
