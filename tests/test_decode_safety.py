@@ -5,11 +5,13 @@ are named, and ``generate()`` names an out-of-vocabulary ``decoder_start_token_i
 that failed before the fix."""
 
 import hashlib
+import io
 import json
 import logging
 import os
 import re
 import shutil
+import types
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from flexformers.training_scripts import decode, depth_adaptive_tools, indigo_tr
 from flexformers.training_scripts.arguments import DATA_ARGS_FILE, DataArguments
 from flexformers.training_scripts.data import read_parallel_file
 
+from .test_metric_values import WordTokenizer  # one id per word: the lookup-table model's tokenizer
 from .test_reliability import _tiny_models, model_dir  # noqa: F401 (a module-scoped fixture: an untrained baseline)
 from .test_training import tiny_argv
 
@@ -384,3 +387,83 @@ def test_indigo_refuses_a_decoder_start_token_id_it_would_not_use():
         indigo.generate(torch.tensor([[5, 6, 2]]), decoder_start_token_id=5, max_new_tokens=2)
     start = indigo.config.bos_token_id  # what insertion decoding starts from anyway
     assert indigo.generate(torch.tensor([[5, 6, 2]]), decoder_start_token_id=start, max_new_tokens=2)[0, 0] == start
+
+
+# ------------------------------------------------------------------ 7. decode's options reach the decoding (issue 65)
+# sources and references of different lengths: pair 0's source is too long (4 > 3 words), pair 1's reference is too
+# long (4 > 3 words), pair 2 fits both
+LENGTH_PAIRS = [("a b c d", "w x"), ("e f", "w x y z"), ("g h i", "y z")]
+
+
+def lookup_decode(tmp_path, monkeypatch, *options):
+    """decode.run_from_argv on ``LENGTH_PAIRS`` with the model replaced by a lookup table: (results, the sources
+    generate_texts was given, its keyword arguments). With ``permutation_of_source`` the stand-in returns each
+    source's words reversed (a permutation of them), else ``out <source>``."""
+    (tmp_path / "train.tsv").write_text("source\ttarget\na b\tc d\n", encoding="utf-8")
+    write_pairs(tmp_path / "test.tsv", LENGTH_PAIRS)
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    model = types.SimpleNamespace(config=types.SimpleNamespace(model_type="flexformer"))
+    monkeypatch.setattr(decode, "load_model", lambda *args, **kwargs: (model, WordTokenizer(),
+                                                                       WordTokenizer()))
+    calls = []
+
+    def generate_texts(model, source_tokenizer, target_tokenizer, sources, **kwargs):
+        calls.append((list(sources), kwargs))
+        permuted = kwargs.get("permutation_of_source", False)
+        hypotheses = [" ".join(reversed(s.split())) if permuted else f"out {s}" for s in sources]
+        return hypotheses, {"sentences": len(sources), "seconds": 1.0, "sentences_per_second": 3.0,
+                            "tokens_per_second": 9.0}
+
+    monkeypatch.setattr(decode, "generate_texts", generate_texts)
+    results = decode.run_from_argv([
+        "--model_name_or_path", str(model_dir), "--task", "files", "--train_file", str(tmp_path / "train.tsv"),
+        "--test_file", str(tmp_path / "test.tsv"), "--split", "test", "--max_source_length", "3",
+        "--max_target_length", "3", *options])
+    (sources, kwargs), = calls
+    return results, sources, kwargs
+
+
+def test_decode_permutation_of_source_constrains_the_decoding_and_is_reported(tmp_path, monkeypatch, capsys):
+    results, sources, kwargs = lookup_decode(tmp_path, monkeypatch, "--permutation_of_source", "true",
+                                             "--num_samples_to_print", "0")
+    assert kwargs["permutation_of_source"] is True
+    written = (tmp_path / "model" / "generations.test.txt").read_text().splitlines()
+    assert written == ["d c b a", "f e", "i h g"]  # each output a permutation of its source's words
+    assert results["output_constraint"] == "permutation of the source words"
+    assert "examples, outputs constrained to a permutation of the source words, beam" in capsys.readouterr().out
+    # and off by default for a task that is not word-order recovery: the outputs are not constrained
+    (tmp_path / "plain").mkdir()
+    results, _, kwargs = lookup_decode(tmp_path / "plain", monkeypatch, "--num_samples_to_print", "0")
+    assert kwargs["permutation_of_source"] is False and results["output_constraint"] is None
+
+
+def test_decode_within_training_lengths_drops_pairs_too_long_on_either_side(tmp_path, monkeypatch, capsys):
+    results, sources, _ = lookup_decode(tmp_path, monkeypatch, "--within_training_lengths", "true",
+                                        "--num_samples_to_print", "0")
+    assert sources == ["g h i"]  # pair 0's source and pair 1's reference are beyond 3 tokens
+    rows = [json.loads(line) for line in (tmp_path / "model" / "generations.test.jsonl").read_text().splitlines()]
+    assert [(row["index"], row["reference"]) for row in rows] == [(2, "y z")]
+    assert results["num_examples"] == 1 and results["within_training_lengths"] is True
+    printed = capsys.readouterr().out
+    assert re.search(r"\[test, 1 examples within the training lengths, beam 5, lenpen 1.0\]: BLEU", printed)
+
+
+def test_decode_prints_each_sample_with_its_source_reference_and_output(tmp_path, monkeypatch, capsys):
+    lookup_decode(tmp_path, monkeypatch, "--num_samples_to_print", "2")
+    printed = capsys.readouterr().out
+    assert ("--- sample 1 " + "-" * 60 + "\nSOURCE:     a b c d\nREFERENCE:\nw x\nGENERATED:\nout a b c d\n"
+            "--- sample 2 " + "-" * 60 + "\nSOURCE:     e f\nREFERENCE:\nw x y z\nGENERATED:\nout e f\n"
+            + "-" * 72 + "\n") in printed
+    assert "sample 3" not in printed
+    assert re.search(r"\[test, 3 examples, beam 5, lenpen 1.0\]: BLEU ", printed)
+
+
+def test_read_stdin_lines_skips_blank_lines_and_names_lines_that_are_not_utf8(caplog):
+    raw = b"one\n\xff\xfe\n\n  \ntwo \xc3\xa9\r\nthree\n"  # line 2 is not UTF-8; lines 3 and 4 are blank
+    with caplog.at_level(logging.WARNING):
+        assert decode.read_stdin_lines(types.SimpleNamespace(buffer=io.BytesIO(raw))) == (
+            ["one", "two \u00e9", "three"], [2])
+    assert "standard input, line 2: not valid UTF-8 (byte 0); skipped" in caplog.text
+    # a text stream (no .buffer) is taken as already decoded
+    assert decode.read_stdin_lines(io.StringIO("a\n\nb c\n")) == (["a", "b c"], [])
