@@ -85,7 +85,7 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
     "indigo": (
         ["modeling/modeling_indigo.py", "modeling/indigo_decoding.py", "modeling/indigo_insertion.py",
          "modeling/indigo_search_state.py"],
-        ["tests/test_indigo.py", REFERENCES, RANDOM_PATHS],
+        ["tests/test_indigo.py", "tests/test_indigo_decoding.py", REFERENCES, RANDOM_PATHS],
     ),
     "depth_adaptive": (
         ["modeling/modeling_depth_adaptive.py", "modeling/depth_adaptive_cache.py",
@@ -139,7 +139,7 @@ def source_tree(workdir: Path, revision: str | None) -> Path:
     return tree
 
 
-def stage_group(group: str, workdir: Path, source: Path) -> Path:
+def stage_group(group: str, workdir: Path, source: Path, timeout_multiplier: float = 3) -> Path:
     """A copy of ``source`` laid out as the installed package, with a [mutmut] section for ``group``."""
     modules, test_files = GROUPS[group]
     stage = workdir / group
@@ -179,9 +179,10 @@ def stage_group(group: str, workdir: Path, source: Path) -> Path:
         f"pytest_add_cli_args =\n    -p\n    no:cacheprovider\n    -m\n    not slow\n    -k\n    {UNTRACEABLE_TESTS}\n"
         f"do_not_mutate_patterns =\n    {patterns}\n"
         "process_isolation = forkserver\n"
-        # A mutant that makes the tests hang is stopped at 3x the covering tests' clean time (mutmut's default 15x
-        # spends minutes on each such mutant here; a survivor's full run stays well under 3x on an idle machine).
-        "timeout_multiplier = 3\n"
+        # A mutant that makes the tests hang is stopped at 3x the covering tests' clean time by default (mutmut's
+        # default 15x spends minutes on each such mutant here; a survivor's full run stays well under 3x on an idle
+        # machine). A working run on a shared machine raises it, or load reads as hangs.
+        f"timeout_multiplier = {timeout_multiplier}\n"
         "use_git_change_detection = false\n"
     )
     return stage
@@ -245,8 +246,8 @@ def sample_mutants(stage: Path, group: str, per_module: int, seed: int) -> list[
 
 
 def run_group(group: str, workdir: Path, source: Path, max_children: int, count_only: bool, sample: int | None,
-              seed: int) -> tuple[Path, list[str] | None]:
-    stage = stage_group(group, workdir, source)
+              seed: int, timeout_multiplier: float = 3) -> tuple[Path, list[str] | None]:
+    stage = stage_group(group, workdir, source, timeout_multiplier)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
     if count_only or sample:
@@ -293,6 +294,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="only these groups (repeatable; default: all)")
     parser.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "flexformers-mutation")
     parser.add_argument("--max_children", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--timeout_multiplier", type=float, default=3,
+                        help="stop a mutant's tests at this many times their clean time (3 on an idle machine, as "
+                             "the recorded runs; raise it for a working run beside other work)")
     parser.add_argument("--count_only", action="store_true", help="generate the mutants and count them; run nothing")
     parser.add_argument("--sample", type=int, default=None,
                         help="run a seeded random sample of this many mutants per module instead of all")
@@ -321,11 +325,12 @@ def main(argv: list[str] | None = None) -> None:
             sampled = sample_mutants(stage, group, args.sample, args.seed) if args.sample else None
         else:
             stage, sampled = run_group(group, args.workdir, source, args.max_children, args.count_only, args.sample,
-                                       args.seed)
+                                       args.seed, args.timeout_multiplier)
         for module, codes in mutant_results(stage, group).items():
             in_run = codes if sampled is None else {name: codes[name] for name in sampled if name in codes}
             scores[module] = score_module(in_run, equivalent)
-            scores[module].update(group=group, mutants_in_module=len(codes), sample_seed=args.seed if sampled else None)
+            scores[module].update(group=group, mutants_in_module=len(codes), sample_seed=args.seed if sampled else None,
+                                  timeout_multiplier=None if args.rescore else args.timeout_multiplier)
         print(f"[{group}] {time.time() - started:.0f} s", file=sys.stderr, flush=True)
         if args.survivors:
             show_survivors(stage, [n for m in GROUPS[group][0] for n in scores[m]["survivors"]])

@@ -19,10 +19,13 @@ def merge_projection(num_branches: int, in_features: int, out_features: int) -> 
     """The output projection of `num_branches` parallel branches and its per-branch biases (None for one branch,
     whose bias is the projection's own)."""
     # Allocated without nn.Linear's own random draws (the model's `_init_weights` sets the values): a seeded model
-    # draws the same numbers as before the merge became an `nn.Linear`.
+    # draws the same numbers as before the merge became an `nn.Linear`. skip_init allocates on the CPU unless told,
+    # so the default device is passed on: a model built under `with torch.device(...)` (meta while Transformers
+    # loads, a GPU) keeps all its weights there.
+    device = torch.get_default_device()
     if num_branches == 1:
-        return skip_init(nn.Linear, in_features, out_features), None
-    projection = skip_init(nn.Linear, num_branches * in_features, out_features, bias=False)
+        return skip_init(nn.Linear, in_features, out_features, device=device), None
+    projection = skip_init(nn.Linear, num_branches * in_features, out_features, bias=False, device=device)
     projection.num_branches = num_branches  # for the initialisation: each branch's block on its own
     return projection, nn.Parameter(torch.empty(num_branches, out_features))
 

@@ -1294,3 +1294,14 @@ def test_resizing_pads_the_target_vocabulary_to_the_multiple_asked_for():
         assert model.get_output_embeddings().weight.shape[0] == padded
         assert getattr(model.config, size_field) == padded
     assert separate.get_encoder().embed_tokens.weight.shape[0] == 60
+
+
+def test_a_model_built_under_a_device_context_has_every_weight_on_that_device():
+    """Transformers builds a model under `with torch.device("meta")` while it loads, and users build under
+    `with torch.device("cuda")`: every parameter and buffer must follow the context (the merge projections are
+    allocated without their own random draws, which must not pin them to the CPU)."""
+    with torch.device("meta"):
+        model = FlexformerForConditionalGeneration(FlexformerConfig(**tiny_config_kwargs()))
+    elsewhere = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+                 if tensor.device.type != "meta"]
+    assert not elsewhere

@@ -707,3 +707,82 @@ def test_sao_order_weights():
     assert torch.allclose(posterior[0, :2], torch.tensor([1.0, 0.0]).softmax(-1)) and posterior[0, 2] == 0
     with pytest.raises(ValueError, match="sao_order_weighting"):
         sao_order_weights(scores, "max")
+
+
+# ---- Mutation survivors (issue 65): padded insertion batches, neighbours of invalid words, defaults, devices -----
+
+
+def test_insertion_neighbors_leave_every_invalid_word_undefined():
+    # The invalid word (index 3) sits between valid ones: it has a right neighbour (</s>) but no targets (-1).
+    positions = torch.tensor([[0, 4, 2, 1, 3], [0, 3, 1, 2, 9]])
+    valid = torch.tensor([[True, True, True, False, True], [True, True, True, True, False]])
+    left, right = insertion_neighbors(positions, valid)
+    # row 0: word 4 (z=3) sees <s>, </s>, word 2 (z=2) — not the invalid word 3 (z=1); row 1: word 4 invalid
+    assert left.tolist() == [[-1, -1, 0, -1, 2], [-1, -1, 0, 2, -1]]
+    assert right.tolist() == [[-1, -1, 1, -1, 1], [-1, -1, 1, 1, -1]]
+
+
+def test_padded_insertion_batch_relations_are_one_arrangement_of_all_positions():
+    """Eq. 3-4: R of a padded batch maps back (Eq. 4) to distinct positions: ``<s>`` 0, the word of reading index k at
+    k+1, ``</s>`` right after the last word (len+1), padding beyond it — and Eq. 3 of those positions is R. An empty
+    target (only ``<eod>`` to predict) puts its first padding word right after ``</s>``, no tie with it."""
+    targets = torch.tensor([[12, 13, 14], [15, 16, 1], [17, 1, 1], [1, 1, 1]])
+    lengths = torch.tensor([3, 2, 1, 0])
+    orders = torch.tensor([[2, 0, 1], [1, 0, 0], [0, 0, 0], [0, 0, 0]])
+    batch = build_insertion_batch(targets, lengths, orders)
+    relations = batch["relative_positions"]
+    positions = absolute_positions_from_relative(relations)
+    for row, (order, length) in enumerate(zip(orders.tolist(), lengths.tolist())):
+        expected = [0, length + 1] + [k + 1 for k in order[:length]] + list(range(length + 2, 5))
+        assert positions[row].tolist() == expected
+        assert sorted(expected) == list(range(5))
+        signs = [[(a > b) - (a < b) for b in expected] for a in expected]  # Eq. 3 by hand
+        assert relations[row].tolist() == signs
+
+
+def test_build_insertion_batch_defaults_are_the_indigo_config_special_ids():
+    """A batch built with the defaults feeds a default-configured model: padding is the config's <pad>, etc."""
+    targets = torch.tensor([[12, 13, 14], [15, 1, 1]])
+    lengths = torch.tensor([3, 1])
+    orders = torch.tensor([[1, 2, 0], [0, 0, 0]])
+    config = InDIGOConfig()
+    special = {name: getattr(config, name) for name in ("bos_token_id", "eos_token_id", "eod_token_id", "pad_token_id")}
+    defaults = build_insertion_batch(targets, lengths, orders)
+    explicit = build_insertion_batch(targets, lengths, orders, **special)
+    assert defaults.keys() == explicit.keys()
+    for name in defaults:
+        assert torch.equal(defaults[name], explicit[name]), name
+    assert defaults["decoder_input_ids"][1].tolist() == [config.bos_token_id, config.eos_token_id, 15] + [config.pad_token_id] * 2
+
+
+def test_left_to_right_insertion_batch_reads_no_tensor_values_and_stays_on_the_input_device():
+    """The left-to-right batch of a training step needs no host read (no sync, no graph break when compiled):
+    it builds on the "meta" device, which holds no values, and every tensor follows the inputs' device."""
+    with torch.device("meta"):
+        targets, lengths = torch.tensor([[12, 13, 14], [15, 16, 1]]), torch.tensor([3, 2])
+        orders = torch.tensor([[2, 0, 1], [1, 0, 0]])
+    built = build_insertion_batch(targets, lengths, orders, check_orders=False)
+    model = InDIGOForConditionalGeneration(tiny_config()).to("meta")
+    left_to_right = model.insertion_batch_from_labels(None, target_ids=targets, target_lengths=lengths)
+    for batch in (built, left_to_right):
+        assert {name: tensor.device.type for name, tensor in batch.items()} == dict.fromkeys(batch, "meta")
+        assert batch["pointer_targets"].dtype == batch["insertion_targets"].dtype == torch.long
+
+
+def test_sao_search_stays_on_the_inputs_device_and_needs_no_attention_mask(model, source):
+    """The search reads no values on the host (it runs on the "meta" device, all its tensors following the
+    inputs'), and an unpadded source needs no attention mask: None searches as an all-ones mask does."""
+    targets = torch.tensor([[12, 13, 14], [15, 16, 1]])
+    lengths = torch.tensor([3, 2])
+    model.sao_search_dropout = False
+    unpadded = source[:1, :4].repeat(2, 1)
+    encoder = model.model.encoder(unpadded).last_hidden_state
+    without_mask = model.search_adaptive_orders(encoder, None, targets, lengths, beam_size=2)
+    with_mask = model.search_adaptive_orders(encoder, torch.ones_like(unpadded), targets, lengths, beam_size=2)
+    assert torch.equal(without_mask[0], with_mask[0]) and torch.allclose(without_mask[1], with_mask[1])
+    meta_model = InDIGOForConditionalGeneration(tiny_config()).eval().to("meta")
+    meta_model.sao_search_dropout = False
+    orders, scores = meta_model.search_adaptive_orders(
+        encoder.to("meta"), None, targets.to("meta"), lengths.to("meta"), beam_size=2
+    )
+    assert orders.device.type == scores.device.type == "meta" and orders.shape == (2, 2, 3)

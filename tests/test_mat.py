@@ -702,3 +702,13 @@ def test_a_classifier_built_from_its_config_starts_with_zero_branch_biases(model
     input_ids, mask = _encoder_batch()
     with torch.no_grad():
         assert torch.isfinite(model(input_ids, attention_mask=mask).logits).all()
+
+
+def test_a_multi_branch_model_built_under_a_device_context_has_every_weight_on_that_device():
+    """The multi-branch merge (`B * in` columns, per-branch biases) follows `with torch.device(...)` too, as
+    Transformers' meta-device loading and users' GPU builds need."""
+    with torch.device("meta"):
+        model = MATForConditionalGeneration(MATConfig(**TINY, encoder_attention_branches=2, decoder_attention_branches=3, encoder_ffn_branches=2))
+    elsewhere = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+                 if tensor.device.type != "meta"]
+    assert not elsewhere

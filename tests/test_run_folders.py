@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -349,3 +350,55 @@ def test_a_run_file_is_in_every_checkpoint_and_the_folder(tmp_path):
     record = json.loads((out / "checkpoint-2" / RUN_FILE).read_text())
     assert record == {"run_id": run_id_of(out), "save_only_model": False}
     assert load_file(str(out / "model.safetensors"))  # the run itself is whole
+
+
+# ------------------------------------------------------------------------------ 8. mutation survivors (issue 65)
+def test_a_full_disk_message_says_how_to_continue(tmp_path):
+    from flexformers.training_scripts.checkpoints import describe_write_error
+
+    message = describe_write_error(OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x")), tmp_path)
+    assert message.startswith(f"disk full while writing {tmp_path / 'x'}: no checkpoint had been written yet")
+    assert message.endswith("free some space and continue with --resume_from_checkpoint latest")
+    assert describe_write_error(OSError(errno.EIO, "I/O error"), tmp_path) is None
+
+
+def test_moving_aside_twice_in_one_second_numbers_the_folders_upwards(tmp_path, monkeypatch):
+    from flexformers.training_scripts import checkpoints
+
+    epoch = time.gmtime(0)
+    monkeypatch.setattr(checkpoints.time, "gmtime", lambda *args: epoch)  # the same stamp every time
+    folders = []
+    for index in range(3):
+        (tmp_path / f"file{index}").write_text(str(index))
+        folders.append(checkpoints.move_aside(tmp_path, [tmp_path / f"file{index}"]).name)
+    stamp = f"{REPLACED_PREFIX}19700101-000000"
+    assert folders == [stamp, f"{stamp}-2", f"{stamp}-3"]
+    assert [(tmp_path / folder / f"file{index}").read_text() for index, folder in enumerate(folders)] == ["0", "1", "2"]
+
+
+def test_resuming_with_other_output_switches_is_not_another_architecture(tmp_path):
+    """Fields that only say what a forward returns are not the model: a checkpoint saved with them set resumes."""
+    from flexformers.configuration.configuration_flexformer import FlexformerConfig
+    from flexformers.training_scripts.checkpoints import resumed_config_problem
+    from tests.conftest import tiny_config_kwargs
+
+    saved = FlexformerConfig(**tiny_config_kwargs(), output_hidden_states=True, output_attentions=True,
+                             use_cache=False, return_dict=False)
+    saved.save_pretrained(tmp_path)
+    assert resumed_config_problem(tmp_path, FlexformerConfig(**tiny_config_kwargs())) is None
+
+
+def test_a_resumed_architecture_names_at_most_four_fields_and_counts_the_rest(tmp_path):
+    from flexformers.configuration.configuration_flexformer import FlexformerConfig
+    from flexformers.training_scripts.checkpoints import resumed_config_problem
+    from tests.conftest import tiny_config_kwargs
+
+    FlexformerConfig(**tiny_config_kwargs()).save_pretrained(tmp_path)
+    base = tiny_config_kwargs()
+    two = resumed_config_problem(tmp_path, FlexformerConfig(**{**base, "encoder_layers": 3, "decoder_layers": 3}))
+    assert "decoder_layers=" in two and "encoder_layers=" in two and "more fields" not in two
+    six = {"encoder_layers": 3, "decoder_layers": 3, "dropout": 0.3, "attention_dropout": 0.3,
+           "activation_dropout": 0.3, "label_smoothing": 0.3}
+    message = resumed_config_problem(tmp_path, FlexformerConfig(**{**base, **six}))
+    assert " and 2 more fields: resume with" in message
+    assert sum(f"{name}=" in message for name in six) == 4

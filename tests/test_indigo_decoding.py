@@ -1,0 +1,271 @@
+"""InDIGO's insertion decoding against independent computations: `compute_transition_scores` and `position_scores`
+against the word and gap (Eq. 11) log-probabilities of a teacher-forced forward of the decoded insertion sequence,
+summing to `sequences_scores` (greedy and beam search, Sec. 4.3); beam search's per-step outputs when it ends early;
+the per-call decoder hidden states; the options and arguments `generate()` refuses (or, from a training batch, sets
+aside); the search state on the device it is given; the SAO pointer cache's beam reorder; the CUDA-graph cache's
+autocast."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from transformers import GenerationConfig
+from transformers.generation import LogitsProcessor, LogitsProcessorList
+
+import flexformers.modeling  # noqa: F401  (registers the model types)
+from flexformers.modeling.indigo_decoding import LEFT_TO_RIGHT_ONLY_OPTIONS, check_insertion_generation_config
+from flexformers.modeling.indigo_insertion import (
+    absolute_positions_from_relative,
+    gap_log_probs,
+    reading_order_from_positions,
+)
+from flexformers.modeling.indigo_search_state import CapturedSearches, InsertionState, ReferencePointerCache
+from flexformers.modeling.modeling_indigo import InDIGOForConditionalGeneration
+from flexformers.training_scripts.indigo_orders import InDIGODataCollator
+from tests.test_indigo import tiny_config
+
+SOURCE = torch.tensor([[5, 6, 7, 8, 2], [9, 10, 11, 2, 1], [12, 2, 1, 1, 1]])
+
+
+def tiny_model(seed: int) -> InDIGOForConditionalGeneration:
+    torch.manual_seed(seed)
+    return InDIGOForConditionalGeneration(tiny_config()).eval()
+
+
+@pytest.fixture(scope="module")
+def model() -> InDIGOForConditionalGeneration:
+    """Greedy decoding of SOURCE ends sentence 1 after one word (then <eod>) and runs the others to the step limit;
+    beam search (3 beams) of seed 0 ends sentence 0 after two words."""
+    return tiny_model(0)
+
+
+@pytest.fixture(scope="module")
+def early_ending_model() -> InDIGOForConditionalGeneration:
+    return tiny_model(11)
+
+
+def teacher_forced_log_probs(model, source_row, insertion_ids, relations):
+    """Per step of one decoded hypothesis, from ONE teacher-forced forward over its insertion sequence (not the
+    incremental decoding): the log-probability of the word it inserted — then of the <eod> that ended it, if it
+    ended — and of the gap the word went into (Eq. 9 slots summed per gap, Eq. 11)."""
+    config = model.config
+    n = int(insertion_ids.ne(config.pad_token_id).sum())
+    tokens, relations = insertion_ids[None, :n], relations[:n, :n][None]
+    mask = source_row[None].ne(config.pad_token_id).long()
+    with torch.no_grad():
+        encoder = model.model.encoder(source_row[None], attention_mask=mask).last_hidden_state
+        hidden = model._decoder_outputs(tokens, relations, encoder, mask).last_hidden_state
+        word_log_probs = model._decoding_word_logits(hidden[0]).log_softmax(-1)  # row t predicts step t - 1
+        words, gaps = [], []
+        for step in range(n - 2):
+            query_index, token = step + 1, tokens[:, step + 2]
+            words.append(float(word_log_probs[query_index, token]))
+            query = model.pointer_query(hidden[:, query_index], token)[:, None]
+            left, right = model.pointer_keys(hidden[:, : query_index + 1])
+            slots = model.slot_log_probs(query, left, right)[:, 0]
+            before = absolute_positions_from_relative(relations[0, : query_index + 1, : query_index + 1])
+            after = absolute_positions_from_relative(relations[0, : query_index + 2, : query_index + 2])
+            gap = int(after[query_index + 1]) - 1  # gap g: right of the word at reading position g
+            gaps.append(float(gap_log_probs(slots, reading_order_from_positions(before)[None])[0, gap]))
+        eod = float(word_log_probs[n - 1, config.eod_token_id])
+    return words, gaps, eod
+
+
+def test_greedy_transition_scores_are_the_teacher_forced_word_log_probabilities(early_ending_model):
+    """HF's recipe for built-in models: with `normalize_logits=True`, each greedy step's transition score is the
+    log-probability of the word it chose — here checked against a teacher-forced forward of the decoded insertion
+    sequence — then the <eod> of a row that ended (and 0 after it); with `position_scores` (the gaps, Eq. 11) they
+    add up to `sequences_scores`."""
+    model, steps = early_ending_model, 6
+    output = model.generate(SOURCE, max_new_tokens=steps, return_dict_in_generate=True, output_scores=True)
+    transition = model.compute_transition_scores(output.insertion_ids, output.scores, normalize_logits=True)
+    assert transition.shape == (3, len(output.scores)) == (3, steps)
+    word_counts = output.insertion_ids.ne(model.config.pad_token_id).sum(-1) - 2
+    assert word_counts.tolist() == [steps, 1, steps]  # sentence 1 ended after one word
+    for row in range(3):
+        words, gaps, eod = teacher_forced_log_probs(
+            model, SOURCE[row], output.insertion_ids[row], output.relative_positions[row]
+        )
+        count = len(words)
+        expected_words = torch.zeros(steps)
+        expected_gaps = torch.zeros(steps)
+        expected_words[:count], expected_gaps[:count] = torch.tensor(words), torch.tensor(gaps)
+        if count < steps:
+            expected_words[count] = eod
+        torch.testing.assert_close(transition[row], expected_words, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(output.position_scores[row], expected_gaps, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(output.sequences_scores[row], expected_words.sum() + expected_gaps.sum(),
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_beam_transition_scores_add_up_to_the_model_log_likelihood(model):
+    """Beam search: the transition scores along `beam_indices` plus `position_scores` are each returned hypothesis's
+    log-likelihood under a teacher-forced forward (words, gaps, then its <eod> if it ended), and that sum over
+    length ** length_penalty is `sequences_scores`."""
+    length_penalty = 2.0
+    output = model.generate(SOURCE, max_new_tokens=6, num_beams=3, length_penalty=length_penalty,
+                            return_dict_in_generate=True, output_scores=True)
+    transition = model.compute_transition_scores(output.insertion_ids, output.scores, output.beam_indices)
+    assert transition.shape == output.beam_indices.shape == (3, len(output.scores))
+    lengths = output.beam_indices.ge(0).sum(-1)
+    assert lengths.tolist() == [3, 6, 6]  # sentence 0: two words, then <eod>
+    step_scores = transition + output.position_scores
+    torch.testing.assert_close(step_scores.sum(-1) / lengths.float() ** length_penalty, output.sequences_scores,
+                               atol=1e-4, rtol=1e-4)
+    for row in range(3):
+        words, gaps, eod = teacher_forced_log_probs(
+            model, SOURCE[row], output.insertion_ids[row], output.relative_positions[row]
+        )
+        ended = int(lengths[row]) > len(words)
+        expected = torch.tensor(words + [eod] * ended) + torch.tensor(gaps + [0.0] * ended)
+        torch.testing.assert_close(step_scores[row, : int(lengths[row])], expected, atol=1e-4, rtol=1e-4)
+        assert not step_scores[row, int(lengths[row]):].any()  # nothing after the end
+
+
+class EndAfter(LogitsProcessor):
+    """Only <eod> once the insertion sequence holds `words` words: every hypothesis ends there."""
+
+    def __init__(self, words: int, eod: int):
+        self.words, self.eod = words, eod
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] - 2 >= self.words:
+            forced = torch.full_like(scores, float("-inf"))
+            forced[:, self.eod] = 0.0
+            return forced
+        return scores
+
+
+def test_a_beam_search_that_ends_early_reports_its_steps_only(model):
+    """A search that ends before `max_new_tokens` gives one beam index and one position score per step it ran, as
+    many as `scores`, and each hypothesis ends with the <eod> step."""
+    processors = LogitsProcessorList([EndAfter(2, model.config.eod_token_id)])
+    output = model.generate(SOURCE, max_new_tokens=8, num_beams=3, num_return_sequences=2, logits_processor=processors,
+                            return_dict_in_generate=True, output_scores=True, length_penalty=1.0)
+    assert len(output.scores) == 3  # two words, then <eod>
+    assert output.beam_indices.shape == output.position_scores.shape == (6, 3)
+    assert output.beam_indices.ge(0).all()
+    sentence = torch.arange(3).repeat_interleave(2)
+    assert torch.equal(output.beam_indices // 3, sentence[:, None].expand(-1, 3))  # rows of the hypothesis's sentence
+    # the first word has one gap (certain), the second two; <eod> has no gap
+    assert output.position_scores[:, 0].abs().max() < 1e-6 and (output.position_scores[:, 1] < 0).all()
+    assert not output.position_scores[:, 2].any()
+    transition = model.compute_transition_scores(output.insertion_ids, output.scores, output.beam_indices)
+    torch.testing.assert_close((transition + output.position_scores).sum(-1) / 3, output.sequences_scores,
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_compute_transition_scores_refuses_what_is_not_insertion_ids(model):
+    """Anything but a batch of insertion sequences (2-D, `<s> </s>` first) is refused with a message naming
+    `insertion_ids`: one row, a batch without `</s>`, the reading-order `sequences`."""
+    output = model.generate(SOURCE, max_new_tokens=3, return_dict_in_generate=True, output_scores=True)
+    wrong = [output.insertion_ids[0], output.insertion_ids[:, :1], output.insertion_ids[:, :0], output.sequences]
+    for sequences in wrong:
+        with pytest.raises(ValueError, match="insertion_ids"):
+            model.compute_transition_scores(sequences, output.scores)
+
+
+def test_decoder_hidden_states_of_every_call_equal_a_full_forward(model):
+    """`output_hidden_states`: `decoder_hidden_states` per decoder call (the start <s> </s>, then each inserted word),
+    per block; concatenated over the calls they are the hidden states of a teacher-forced forward of the whole
+    insertion sequence."""
+    output = model.generate(SOURCE[:1], max_new_tokens=3, return_dict_in_generate=True, output_hidden_states=True)
+    calls = output.decoder_hidden_states
+    assert isinstance(calls, tuple) and len(calls) == 1 + 3  # <s> </s>, then one call per word but the last
+    tokens, relations = output.insertion_ids[:, :4], output.relative_positions[:, :4, :4]
+    mask = SOURCE[:1].ne(model.config.pad_token_id).long()
+    with torch.no_grad():
+        encoder = model.model.encoder(SOURCE[:1], attention_mask=mask).last_hidden_state
+        full = model._decoder_outputs(tokens, relations, encoder, mask, output_hidden_states=True).hidden_states
+    assert len(full) == len(calls[0]) == model.config.decoder_layers + 1
+    for block, expected in enumerate(full):
+        incremental = torch.cat([call[block] for call in calls[:3]], 1)
+        torch.testing.assert_close(incremental, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", [name for name, (neutral, _) in LEFT_TO_RIGHT_ONLY_OPTIONS.items()
+                                  if any(value is not None for value in neutral)])
+def test_an_option_is_refused_unless_it_has_one_of_its_neutral_values(model, name):
+    """An option that some non-None values leave off (`num_beam_groups=1`, `guidance_scale=1.0`, `low_memory=False`,
+    ...) takes those, and any other value is refused by name."""
+    neutral, _ = LEFT_TO_RIGHT_ONLY_OPTIONS[name]
+    for value in neutral:
+        config = GenerationConfig()
+        setattr(config, name, value)
+        check_insertion_generation_config(config, model.config)
+    other = {bool: True, int: 3, float: 0.5}[type(next(value for value in neutral if value is not None))]
+    config = GenerationConfig()
+    setattr(config, name, other)
+    with pytest.raises(ValueError, match=f"{name}={other!r} cannot be used"):
+        check_insertion_generation_config(config, model.config)
+
+
+@pytest.mark.parametrize("order", ["l2r", "sao"])
+def test_generate_sets_aside_every_key_of_a_training_batch(model, order):
+    """Seq2SeqTrainer's evaluation passes the whole collated batch to `generate()`: the insertion batch's targets,
+    and the SAO batch's `target_ids` / `target_lengths`, are set aside — the output is the source's alone."""
+    batch = InDIGODataCollator(order=order)(
+        [{"input_ids": [5, 6, 2], "labels": [12, 13, 14, 2]}, {"input_ids": [7, 2], "labels": [15, 2]}]
+    )
+    alone = model.generate(batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=3)
+    assert torch.equal(model.generate(**batch, max_new_tokens=3), alone)
+
+
+def test_assistant_model_is_refused_with_the_reason(model):
+    with pytest.raises(ValueError, match="assistant_model cannot be used: assisted decoding verifies left-to-right"):
+        model.generate(SOURCE, max_new_tokens=3, assistant_model=model)
+
+
+def test_search_state_lives_on_the_device_it_is_given():
+    """Every tensor of the insertion state and of the SAO pointer cache is made on the given device (here "meta",
+    which needs no accelerator): a CUDA search never mixes in a CPU tensor."""
+    state = InsertionState(2, 6, 8, torch.device("meta"), torch.float32, bos=0, eos=2, pad=1)
+    tensors = {name: value for name, value in vars(state).items() if isinstance(value, torch.Tensor)}
+    assert set(tensors) == {"tokens", "relations", "left_keys", "right_keys", "anchors", "sides"}
+    assert all(tensor.is_meta for tensor in tensors.values()), {n: t.device for n, t in tensors.items()}
+    cache = ReferencePointerCache(torch.zeros(2, 5, 8, device="meta"), beams=3, capacity=6, dtype=torch.float32)
+    assert cache.keys.is_meta and cache.word_logits.is_meta
+
+
+def test_pointer_cache_beam_reorder_copies_only_the_filled_positions():
+    """Beam selection gathers the positions filled so far into the spare buffer pair and nothing beyond (the
+    rest is written by later appends before it is read)."""
+    generator = torch.Generator().manual_seed(0)
+    cache = ReferencePointerCache(torch.randn(1, 4, 3, generator=generator), beams=2, capacity=5, dtype=torch.float32)
+    cache.append(torch.randn(2, 2, 3, generator=generator), torch.randn(2, 2, 3, generator=generator))
+    unfilled = slice(cache.length, None)
+    cache.keys[:, :, unfilled], cache.word_logits[:, :, unfilled] = 7.0, 7.0
+    swap = torch.tensor([1, 0])
+    expected_keys, expected_words = cache.keys[swap, :, :2].clone(), cache.word_logits[swap, :, :2].clone()
+    cache.reorder(swap)  # into a fresh spare pair; the pair marked 7 becomes the spare
+    cache.keys[:, :, unfilled], cache.word_logits[:, :, unfilled] = -3.0, -3.0
+    cache.reorder(torch.tensor([0, 1]))  # back into the pair marked 7
+    assert torch.equal(cache.keys[:, :, :2], expected_keys) and torch.equal(cache.word_logits[:, :, :2], expected_words)
+    assert cache.keys[:, :, unfilled].eq(7.0).all() and cache.word_logits[:, :, unfilled].eq(7.0).all()
+
+
+def test_captured_searches_run_under_the_autocast_of_their_key(monkeypatch):
+    """A captured search (its capture and every replay) runs under the CUDA autocast its key records — enabled or
+    not, and its dtype — with the weight-cast cache off. The capture is faked (no GPU here) and autocast recorded."""
+    entered = []
+
+    def recording_autocast(device_type, dtype=None, enabled=True, cache_enabled=None):
+        resolved = torch.get_autocast_dtype(device_type) if dtype is None else dtype
+        return contextlib.nullcontext(entered.append((device_type, resolved, enabled, cache_enabled)))
+
+    def fake_capture(search, inputs):
+        static_outputs = search(*inputs)
+        return type("Graph", (), {"replay": staticmethod(lambda: None)})(), inputs, static_outputs
+
+    monkeypatch.setattr(torch, "autocast", recording_autocast)
+    monkeypatch.setattr(CapturedSearches, "_capture", staticmethod(fake_capture))
+    graphs = CapturedSearches()
+    double = lambda x: (2 * x,)
+    for autocast in ((True, torch.bfloat16), (False, torch.float16)):
+        key = ((torch.Size([3]),), autocast, False, (), ())
+        for _ in range(3):  # eager, captured, replayed
+            graphs.run(key, double, (torch.ones(3),))
+        assert entered[-2:] == [("cuda", autocast[1], autocast[0], False)] * 2
+    assert len(entered) == 4  # the eager first call of a shape runs as called
