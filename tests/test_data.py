@@ -396,3 +396,150 @@ def test_hub_corpus_not_reachable_offline_is_one_clear_error_naming_it(tmp_path,
     # a ValueError, so flexformers-train prints one line instead of a ConnectionError traceback
     with pytest.raises(ValueError, match=r"nobody-flexformers/no-such-corpus.*offline"):
         load_hub_corpus("nobody-flexformers/no-such-corpus")
+
+
+# Round 2 mutation survivors (issue 65)
+def test_split_ratios_other_than_80_10_10_give_each_split_its_own_share(tmp_path):
+    keys = [f"example {i}" for i in range(20000)]
+    splits = [split_of(key, (60, 30, 10)) for key in keys]
+    assert abs(splits.count("train") / len(keys) - 0.6) < 0.02
+    assert abs(splits.count("validation") / len(keys) - 0.3) < 0.02
+    assert abs(splits.count("test") / len(keys) - 0.1) < 0.015
+    for ratios, only in (((1, 0, 0), "train"), ((0, 1, 0), "validation"), ((0, 0, 1), "test")):
+        assert {split_of(key, ratios) for key in keys[:200]} == {only}
+    # the builders pass their ratios on: a corpus with no train or test share is all validation
+    (tmp_path / "d.tsv").write_text("".join(f"s{i}\tt{i}\n" for i in range(30)))
+    corpus = load_parallel_files(tmp_path / "d.tsv", source_column="0", target_column="1", ratios=(0, 1, 0))
+    assert (len(corpus["train"]), len(corpus["validation"]), len(corpus["test"])) == (0, 30, 0)
+
+
+def test_codegen_file_scan_skips_are_logged_under_their_own_name(tmp_path, caplog):
+    (tmp_path / "ok.py").write_text("def add(a, b):\n    '''Add two numbers.'''\n    return a + b\n")
+    (tmp_path / "gone.py").symlink_to(tmp_path / "deleted.py")
+    build_codegen_corpus([tmp_path], use_cache=False)
+    assert (f"codegen corpus file scan: skipped {{'dangling symlink': 1}} (first: dangling symlink: "
+            f"{tmp_path / 'gone.py'})") in caplog.text
+
+
+def test_gettext_corpus_is_cached_by_default_and_rebuilt_when_a_catalog_changes(tmp_path):
+    mo = write_mo(tmp_path / "app.mo", {"Open file": "Datei öffnen"})
+    first = build_gettext_corpus(catalog_files=[mo])
+    cached = sorted(p.name for p in (tmp_path / "cache" / "corpora").iterdir())
+    assert len(cached) == 1 and cached[0].startswith("gettext-en-de-")
+    again = build_gettext_corpus(catalog_files=[mo])
+    assert sorted(p.name for p in (tmp_path / "cache" / "corpora").iterdir()) == cached  # read back, not rebuilt
+    assert [r["target"] for s in SPLITS for r in again[s]] == [r["target"] for s in SPLITS for r in first[s]]
+    write_mo(mo, {"Open file": "Datei öffnen", "Close the window": "Fenster schließen"})
+    changed = build_gettext_corpus(catalog_files=[mo])
+    assert sorted(r["target"] for s in SPLITS for r in changed[s]) == ["Datei öffnen", "Fenster schließen"]
+    assert len(list((tmp_path / "cache" / "corpora").iterdir())) == 2
+
+
+def test_gettext_drops_a_pair_when_either_side_is_only_format_specifiers(tmp_path):
+    mo = write_mo(tmp_path / "app.mo", {
+        "File: %s": "%s",  # the translation holds no words: nothing to learn from it
+        "%d": "Nummer %d",  # the English holds no words
+        "<b>%s</b>": "{0}",  # neither does
+        "Save %s": "%s speichern",
+    })
+    corpus = build_gettext_corpus(catalog_files=[mo], use_cache=False)
+    assert [(r["source"], r["target"]) for s in SPLITS for r in corpus[s]] == [("Save %s", "%s speichern")]
+
+
+def test_load_corpus_passes_the_codegen_options_on(tmp_path):
+    from flexformers.training_scripts.arguments import DataArguments
+    from flexformers.training_scripts.data import load_corpus
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "m.py").write_text(
+        "def add(a, b):\n    '''Add two numbers.\n\n    Both must be numbers.'''\n    return a + b\n\n"
+        "def sub(a, b):\n    '''Subtract the second number from the first one, a rather long summary.'''\n"
+        "    return a - b\n")
+    src = [str(tmp_path / "src")]
+
+    def pairs(**options):
+        corpus = load_corpus(DataArguments(python_source_dirs=src, **options))
+        return sorted((r["source"], r["target"]) for s in SPLITS for r in corpus[s])
+
+    assert pairs(task="codegen") == [
+        ("Add two numbers. Both must be numbers.", "def add(a, b):\n    return a + b"),
+        ("Subtract the second number from the first one, a rather long summary.", "def sub(a, b):\n    return a - b")]
+    assert pairs(task="codegen", docstring="summary", max_source_chars=30) == [
+        ("Add two numbers.", "def add(a, b):\n    return a + b")]
+    with pytest.raises(ValueError, match="No documented functions"):  # both functions are longer than 25 chars
+        pairs(task="code2doc", max_target_chars=25)
+    assert pairs(task="code2doc", docstring="summary") == [
+        ("def add(a, b):\n    return a + b", "Add two numbers."),
+        ("def sub(a, b):\n    return a - b", "Subtract the second number from the first one, a rather long summary.")]
+
+
+def test_hub_corpus_without_the_named_columns_is_one_error_naming_them_and_the_columns_it_has(
+        tmp_path, _private_datasets_cache):
+    from flexformers.training_scripts.data import load_hub_corpus
+
+    folder = write_jsonl(tmp_path / "corpus" / "train.jsonl", [{"en": f"hello {i}", "de": f"hallo {i}"}
+                                                               for i in range(5)]).parent
+    with pytest.raises(ValueError, match=r"\[train\] has no column\(s\) \['source', 'target'\] \(columns: "
+                                         r"\['en', 'de'\]\)"):
+        load_hub_corpus(str(folder))
+    with pytest.raises(ValueError, match=r"\[train\] has no column\(s\) \['fr'\]"):
+        load_hub_corpus(str(folder), None, "en", "fr", source_lang="en", target_lang="fr")
+
+
+def test_bad_lines_skipped_in_every_file_are_summed_in_one_warning(tmp_path, caplog):
+    (tmp_path / "train.tsv").write_bytes(b"source\ttarget\nok\tgut\nB\xe4r\tbear\nfine\tfein\n")
+    (tmp_path / "valid.tsv").write_bytes(b"source\ttarget\nyes\tja\nlonely\n\tno source\n")
+    load_parallel_files(tmp_path / "train.tsv", validation_file=tmp_path / "valid.tsv", skip_bad_lines=True)
+    warnings = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(warnings) == 1
+    assert warnings[0].startswith("parallel files: skipped {'not valid UTF-8 (byte 1': 1, 'missing column': 1, "
+                                  "'empty source field': 1} (first: not valid UTF-8 (byte 1: ")
+
+
+@pytest.mark.parametrize("name, content, columns, line", [
+    ("excel.csv", "source,target\r\nHello,Hallo\r\n", ("source", "target"), 2),
+    ("notepad.tsv", "source\ttarget\nHello\tHallo\n", ("source", "target"), 2),
+    ("plain.tsv", "Hello\tHallo\n", ("0", "1"), 1),
+    ("lines.jsonl", '{"source": "Hello", "target": "Hallo"}\n', ("source", "target"), 1),
+])
+def test_a_byte_order_mark_at_the_start_of_a_file_is_not_part_of_the_first_field(tmp_path, name, content, columns,
+                                                                                 line):
+    (tmp_path / name).write_bytes("\ufeff".encode() + content.encode())  # as Excel and Notepad save UTF-8
+    rows = read_parallel_file(tmp_path / name, *columns)
+    assert [(r["source"], r["target"], r["origin"]) for r in rows] == [("Hello", "Hallo", f"{name}:{line}")]
+
+
+def test_read_text_lines_strips_line_ends_and_names_a_line_that_is_not_utf8(tmp_path):
+    from flexformers.training_scripts.data import read_text_lines
+
+    (tmp_path / "in.txt").write_bytes("first\r\nsecond  \n\nGrüße".encode())
+    assert read_text_lines(tmp_path / "in.txt") == ["first", "second  ", "", "Grüße"]
+    (tmp_path / "latin.txt").write_bytes(b"ok\nB\xe4r\n")
+    with pytest.raises(ValueError, match=r"latin.txt, line 2: not valid UTF-8 \(byte 1\)"):
+        read_text_lines(tmp_path / "latin.txt")
+
+
+def test_load_corpus_passes_the_translation_files_and_hub_options_on(tmp_path, _private_datasets_cache):
+    from flexformers.training_scripts.arguments import DataArguments
+    from flexformers.training_scripts.data import load_corpus
+
+    (tmp_path / "locale" / "xx" / "LC_MESSAGES").mkdir(parents=True)
+    write_mo(tmp_path / "locale" / "xx" / "LC_MESSAGES" / "app.mo", {"Open the file now": "Öffne die Datei jetzt"})
+    translation = load_corpus(DataArguments(task="translation", target_lang="xx", locale_dir=str(tmp_path / "locale")))
+    assert [(r["source"], r["target"]) for s in SPLITS for r in translation[s]] == [
+        ("Open the file now", "Öffne die Datei jetzt")]
+    word_order = load_corpus(DataArguments(task="word_order", word_order_base="gettext", target_lang="xx",
+                                           locale_dir=str(tmp_path / "locale")))
+    assert [r["target"] for s in SPLITS for r in word_order[s]] == ["Open the file now"]
+
+    (tmp_path / "pairs.txt").write_bytes(b"id,en,de\n1,yes,ja\n2,B\xe4r\n3,no,nein\n")  # line 3 is not UTF-8
+    files = load_corpus(DataArguments(task="files", train_file=str(tmp_path / "pairs.txt"),
+                                      validation_file=str(tmp_path / "pairs.txt"), file_format="csv",
+                                      source_column="en", target_column="de", skip_bad_lines=True))
+    assert [(r["source"], r["target"]) for r in files["train"]] == [("yes", "ja"), ("no", "nein")]
+
+    rows = [{"en": f"cat {i}", "de": f"Katze {i}"} for i in range(10)]
+    folder = write_jsonl(tmp_path / "hub" / "train.jsonl", rows).parent
+    hub = load_corpus(DataArguments(task="hub", dataset_name=str(folder), source_column="en", target_column="de"))
+    assert sorted((r["source"], r["target"]) for s in ("train", "validation") for r in hub[s]) == sorted(
+        (f"cat {i}", f"Katze {i}") for i in range(10))

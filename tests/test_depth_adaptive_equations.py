@@ -376,3 +376,118 @@ def test_copied_state_cache_is_reusable_after_reset():
     torch.testing.assert_close(cache.missing_copied_states(0, 1), states)
     with pytest.raises(RuntimeError, match="no copied states were recorded up to 2"):
         cache.missing_copied_states(0, 2)
+
+
+# Round 2 mutation survivors (issue 65)
+
+
+def test_flops_shape_of_a_model_config_reads_each_quantity_of_table_4():
+    """d_d, d_e, d_f, V (the decoder's own vocabulary) and N each come from their own config field (all different
+    here), so the FLOPs of Appendix B are those of the model's shape."""
+    config = DepthAdaptiveConfig(**{**TINY_DEPTH_ADAPTIVE, "decoder_embed_dim": 12, "decoder_ffn_embed_dim": 20,
+                                    "decoder_layers": 4, "target_vocab_size": 30})
+    shape = DecoderFlopsShape.from_config(config)
+    assert shape == DecoderFlopsShape(decoder_embed_dim=12, encoder_embed_dim=8, ffn_dim=20, vocab_size=30, num_blocks=4)
+    # Baseline formula, one token (t = 1) through the 4 blocks, |x| = 3: 4 FC(x, 1) + 2 V d_d
+    first_call = 12 * 12**2 + 4 * 20 * 12 + 4 * 1 * 12 + 4 * 3 * 12 + 4 * 3 * 12 * 8
+    assert sequence_flops(shape, [4], 3, "full") == 4 * first_call + 2 * 30 * 12
+
+
+def _reference_oracle(exit_logits, labels, oracle, mechanism, sigma, lam):
+    """q* of Eq. 9/10 (sequence) or Eq. 14-17 (token), position by position in float64: LL^n_t or C^n_t, smoothed
+    with κ(t, t') = exp(−(t − t')²/σ²) over the target tokens, then the lowest n maximising score − λn."""
+    mask = labels.ne(-100)
+    per_block = []
+    for logits in exit_logits:
+        logits = logits.double()
+        if oracle == "likelihood":
+            scores = torch.log_softmax(logits, -1).gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        else:
+            scores = logits.argmax(-1).eq(labels).double()
+        per_block.append(scores * mask)
+    scores = torch.stack(per_block, -1)  # [b, T, N]
+    if mechanism == "sequence":
+        totals = scores.sum(1)  # [b, N]
+    else:
+        steps = torch.arange(labels.shape[1], dtype=torch.float64)
+        kernel = torch.exp(-((steps[:, None] - steps[None, :]) ** 2) / sigma**2)
+        totals = torch.einsum("ts,bsn->btn", kernel, scores)
+    penalised = totals - lam * torch.arange(1, scores.shape[-1] + 1, dtype=torch.float64)
+    best = penalised.max(-1, keepdim=True).values
+    return (penalised >= best - 1e-9).double().argmax(-1) + 1  # the first block within rounding of the best
+
+
+@pytest.mark.parametrize("mechanism", ["sequence", "token_multinomial", "token_geometric"])
+def test_the_halting_loss_targets_the_oracle_the_config_names(mechanism):
+    """The oracle exits the model trains its halting mechanism towards (Eq. 6) are those of the configured oracle,
+    likelihood (Eq. 9, 14-15) or correctness (Eq. 10, 16-17), computed here from the classifiers' logits. Labels
+    are chosen so that some classifiers are right at some positions and the two oracles disagree."""
+    sigma, lam = 1.0, 0.05
+    generator = torch.Generator().manual_seed(40)
+    source = torch.randint(4, 40, (3, 6), generator=generator)
+    labels = torch.randint(4, 40, (3, 5), generator=generator)
+    labels[2, 3:] = -100
+    probe = tiny_depth_adaptive(halting_mechanism=mechanism)
+    with torch.no_grad():
+        for t in range(labels.shape[1]):  # logits at t see labels before t only: fix label t to one classifier's argmax
+            exit_logits = probe(input_ids=source, labels=labels, return_exit_logits=True).exit_logits
+            for row in range(labels.shape[0]):
+                if labels[row, t] != -100 and (row + t) % 3:
+                    labels[row, t] = exit_logits[(row + t) % 3][row, t].argmax()
+    oracle_exits = {}
+    for oracle in ("likelihood", "correctness"):
+        model = tiny_depth_adaptive(halting_mechanism=mechanism, oracle=oracle, oracle_sigma=sigma,
+                                    oracle_lambda=lam, exit_loss_alpha=0.5)
+        with torch.no_grad():
+            output = model(input_ids=source, labels=labels, return_exit_logits=True)
+        expected = _reference_oracle(output.exit_logits, labels, oracle, mechanism, sigma, lam)
+        counted = labels.ne(-100) if mechanism != "sequence" else torch.ones(labels.shape[0], dtype=torch.bool)
+        assert torch.equal(output.oracle_exits[counted], expected[counted]), oracle
+        oracle_exits[oracle] = output.oracle_exits
+    assert not torch.equal(oracle_exits["likelihood"], oracle_exits["correctness"]), "inputs must tell them apart"
+
+
+@pytest.mark.parametrize("dense_step_fraction", [0.0, 2.0], ids=["dense", "sparse"])
+def test_incremental_steps_report_the_blocks_states_and_weights_of_the_recomputation(dense_step_fraction):
+    """`output_hidden_states` / `output_attentions` of one early-exit decoding step whose rows leave at different
+    blocks: each block's states and self-/cross-attention weights of every row are those of the layer-wise pass
+    with the same exits, and a row's weights are a distribution up to its exit and zero above it."""
+    from tests.test_depth_adaptive import PAD, balance_exits, decoder_input_for, make_batch, make_model
+    from flexformers.modeling.transformers_compat import output_cache
+
+    model = make_model(seed=3, halting_mechanism="token_geometric")
+    model.model.decoder.dense_step_fraction = dense_step_fraction
+    source, target = make_batch()
+    settings = balance_exits(model, source, target, {})
+    attention_mask = source.ne(PAD).long()
+    decoder_input = decoder_input_for(target)
+    wanted = dict(output_hidden_states=True, output_attentions=True)
+    with torch.no_grad():
+        encoder_outputs = model.get_encoder()(input_ids=source, attention_mask=attention_mask)
+        cache, steps = None, []
+        for t in range(decoder_input.shape[1]):
+            step = model(encoder_outputs=encoder_outputs, attention_mask=attention_mask,
+                         decoder_input_ids=decoder_input[:, t:t + 1], past_key_values=cache, use_cache=True,
+                         **wanted, **settings)
+            cache = output_cache(step)
+            steps.append(step)
+        exits = torch.cat([step.exits for step in steps], 1)
+        full = model(encoder_outputs=encoder_outputs, attention_mask=attention_mask, decoder_input_ids=decoder_input,
+                     token_exits=exits, use_cache=False, **wanted)
+    num_blocks = model.config.decoder_layers
+    assert any(step.exits.unique().numel() > 1 for step in steps), "a step must mix exits within the batch"
+    for t, step in enumerate(steps):
+        assert len(step.decoder_hidden_states) == num_blocks + 1 and len(step.decoder_attentions) == num_blocks
+        for index, states in enumerate(step.decoder_hidden_states):
+            torch.testing.assert_close(states[:, 0], full.decoder_hidden_states[index][:, t], atol=1e-5, rtol=1e-5)
+        for block in range(1, num_blocks + 1):
+            self_weights, cross_weights = step.decoder_attentions[block - 1], step.cross_attentions[block - 1]
+            torch.testing.assert_close(self_weights[:, :, 0], full.decoder_attentions[block - 1][:, :, t, :t + 1],
+                                       atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(cross_weights[:, :, 0], full.cross_attentions[block - 1][:, :, t],
+                                       atol=1e-5, rtol=1e-5)
+            ran = step.exits[:, 0] >= block
+            for weights in (self_weights, cross_weights):
+                totals = weights[:, :, 0].sum(-1)  # [b, heads]
+                torch.testing.assert_close(totals[ran], torch.ones_like(totals[ran]))
+                assert not weights[~ran].any(), (t, block)

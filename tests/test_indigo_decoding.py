@@ -269,3 +269,131 @@ def test_captured_searches_run_under_the_autocast_of_their_key(monkeypatch):
             graphs.run(key, double, (torch.ones(3),))
         assert entered[-2:] == [("cuda", autocast[1], autocast[0], False)] * 2
     assert len(entered) == 4  # the eager first call of a shape runs as called
+
+
+# Round 2 mutation survivors (issue 65)
+
+
+class EodBias(LogitsProcessor):
+    """Adds `bias` to <eod>'s score: hypotheses end early and often, so the beams fill with finished ones."""
+
+    def __init__(self, bias: float, eod: int):
+        self.bias, self.eod = bias, eod
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        scores[:, self.eod] += self.bias
+        return scores
+
+
+def test_early_stopping_true_false_and_never_end_the_beam_search_as_transformers_defines_them(early_ending_model):
+    """Transformers' three `early_stopping` values: True ends a sentence once it has `num_beams` finished
+    hypotheses; False also waits until its best live hypothesis (length-normalised) cannot beat the worst finished
+    one; "never" never ends early, so it runs to `max_new_tokens` (live hypotheses never include an <eod>). Stopping
+    later can only improve each returned rank. Without length normalisation (`length_penalty=0`) scores only fall as
+    a hypothesis grows, so False's test is exact: it ends before "never" yet returns the same hypotheses."""
+    model, steps = early_ending_model, 8
+
+    processors = LogitsProcessorList([EodBias(1.0, model.config.eod_token_id)])
+
+    def search(early_stopping, length_penalty):
+        return model.generate(
+            SOURCE, max_new_tokens=steps, num_beams=3, num_return_sequences=3, early_stopping=early_stopping,
+            length_penalty=length_penalty, logits_processor=processors, return_dict_in_generate=True,
+            output_scores=True,
+        )
+
+    for length_penalty in (0.0, 2.0):
+        first, heuristic, never = (search(value, length_penalty) for value in (True, False, "never"))
+        assert len(first.scores) < steps and len(never.scores) == steps
+        assert len(first.scores) <= len(heuristic.scores) <= len(never.scores)
+        assert (heuristic.sequences_scores >= first.sequences_scores).all()
+        assert (never.sequences_scores >= heuristic.sequences_scores).all()
+        if length_penalty == 0.0:
+            assert len(first.scores) < len(heuristic.scores) < steps  # three different ends ...
+            assert torch.equal(heuristic.insertion_ids, never.insertion_ids)  # ... the last two with the same result
+            assert torch.equal(heuristic.sequences_scores, never.sequences_scores)
+        else:  # a long hypothesis can win after a length-normalised stop: waiting finds better ones
+            assert (never.sequences_scores > first.sequences_scores).any()
+
+
+def test_generate_attentions_of_every_call_are_a_full_forwards_rows(model):
+    """`output_attentions` alone: `decoder_attentions` and `cross_attentions` per decoder call (<s> </s>, then each
+    inserted word), per block, are the rows of a teacher-forced forward's self- and cross-attention weights over the
+    whole insertion sequence (keys: the words inserted so far); no hidden states are collected."""
+    output = model.generate(SOURCE[:1], max_new_tokens=3, return_dict_in_generate=True, output_attentions=True)
+    assert output.decoder_hidden_states is None
+    calls_self, calls_cross = output.decoder_attentions, output.cross_attentions
+    assert len(calls_self) == len(calls_cross) == 1 + 3  # <s> </s>, then one call per word
+    n = int(output.insertion_ids.ne(model.config.pad_token_id).sum())
+    assert n == 2 + 3
+    tokens, relations = output.insertion_ids[:, :n], output.relative_positions[:, :n, :n]
+    with torch.no_grad():  # the public teacher-forced forward over the whole insertion sequence
+        full = model(input_ids=SOURCE[:1], decoder_input_ids=tokens, relative_positions=relations,
+                     output_attentions=True)
+    layers = model.config.decoder_layers
+    assert len(full.decoder_attentions) == len(calls_self[0]) == len(calls_cross[0]) == layers
+    for block in range(layers):
+        for call in range(len(calls_self)):
+            rows = slice(0, 2) if call == 0 else slice(call + 1, call + 2)
+            keys = rows.stop
+            torch.testing.assert_close(calls_self[call][block], full.decoder_attentions[block][:, :, rows, :keys],
+                                       atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(calls_cross[call][block], full.cross_attentions[block][:, :, rows],
+                                       atol=1e-5, rtol=1e-5)
+
+
+def test_sao_order_weights_default_is_eq_12_uniform_over_the_found_orders():
+    """Without a weighting, `sao_order_weights` is the paper's Eq. 12: `q(π|x, y) = 1/B` over the orders found for the
+    sentence (1, 2 or 3 here), 0 on a missing (-inf) beam, whatever the scores — not their posterior."""
+    from flexformers.modeling.indigo_insertion import sao_order_weights
+
+    inf = float("inf")
+    scores = torch.tensor([[-0.5, -inf, -inf], [-1.0, -7.0, -inf], [-3.0, -1.0, -2.0]])
+    expected = torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [1 / 3, 1 / 3, 1 / 3]])
+    torch.testing.assert_close(sao_order_weights(scores), expected)
+    assert not torch.allclose(sao_order_weights(scores, "posterior"), expected)
+
+
+def test_sao_search_default_beam_is_eight_orders(model):
+    """`search_adaptive_orders` without `beam_size` keeps B = 8 orders per sentence (the model's `sao_beam_size`):
+    the same orders and scores as `beam_size=8`, 8 distinct permutations of each 4-word reference (24 exist)."""
+    targets = torch.tensor([[12, 13, 14, 15], [16, 17, 18, 2]])
+    lengths = torch.tensor([4, 4])
+    mask = SOURCE[:2].ne(model.config.pad_token_id)
+    with torch.no_grad():
+        encoder = model.model.encoder(SOURCE[:2], attention_mask=mask).last_hidden_state
+        orders, scores = model.search_adaptive_orders(encoder, mask, targets, lengths)
+        explicit = model.search_adaptive_orders(encoder, mask, targets, lengths, beam_size=8)
+    assert model.sao_beam_size == 8 and orders.shape == (2, 8, 4) and torch.isfinite(scores).all()
+    assert torch.equal(orders, explicit[0]) and torch.equal(scores, explicit[1])
+    for sentence in range(2):
+        assert len({tuple(order) for order in orders[sentence].tolist()}) == 8
+        assert all(sorted(order) == [0, 1, 2, 3] for order in orders[sentence].tolist())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: CUDA graphs exist only there")
+def test_sao_search_replayed_as_a_cuda_graph_finds_what_the_eager_search_finds():
+    """`sao_search_cuda_graphs` on a GPU: a shape's first call runs eagerly, the second captures the search, later
+    ones replay it on their own inputs (copied into the graph's buffers); every call finds the eager search's orders
+    and scores for its inputs."""
+    from flexformers.modeling.indigo_search_state import _CAPTURED_SEARCHES
+
+    device = torch.device("cuda")
+    model = tiny_model(0).to(device)
+    model.sao_search_dropout = False
+    source = SOURCE[:2].to(device)
+    mask = source.ne(model.config.pad_token_id)
+    lengths = torch.tensor([4, 3], device=device)
+    references = [torch.tensor([[12, 13, 14, 15], [16, 17, 2, 1]], device=device),
+                  torch.tensor([[20, 21, 22, 23], [24, 25, 26, 1]], device=device)]
+    with torch.no_grad():
+        encoder = model.model.encoder(source, attention_mask=mask).last_hidden_state
+        for call, targets in enumerate([references[0], references[0], references[1], references[0]]):
+            model.sao_search_cuda_graphs = False
+            eager = model.search_adaptive_orders(encoder, mask, targets, lengths, beam_size=3)
+            model.sao_search_cuda_graphs = True
+            graphed = model.search_adaptive_orders(encoder, mask, targets, lengths, beam_size=3)
+            assert torch.equal(graphed[0], eager[0]), call
+            torch.testing.assert_close(graphed[1], eager[1], atol=1e-4, rtol=1e-4)
+    assert len(_CAPTURED_SEARCHES[model]) == 1

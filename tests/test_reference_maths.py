@@ -440,3 +440,42 @@ def test_expected_outputs_script_refuses_to_overwrite(tmp_path, capsys):
     assert make_expected_outputs.main(["--output", str(existing)]) == 2
     assert existing.read_text() == "{}\n"
     assert "--overwrite" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Round 2 mutation survivors (issue 65)
+# --------------------------------------------------------------------------------------------------------------------
+
+from flexformers.modeling.losses import token_loss_terms  # noqa: E402
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 0.1])
+def test_label_smoothed_loss_ignores_the_given_ignore_index(epsilon):
+    """With `ignore_index` the padding id (fairseq's `ignore_index=padding_idx`), the padding targets drop out of
+    the loss, the logged NLL, the token count and the gradient exactly as -100 targets do by default, and
+    `token_loss_terms` (per-token NLL and smoothing term, checked against log-softmax here) zeroes them."""
+    generator = torch.Generator().manual_seed(4)
+    logits = (2 * torch.randn(3, 6, 9, generator=generator)).requires_grad_()
+    labels = torch.randint(2, 9, (3, 6), generator=generator)
+    labels[0, 4:] = PAD
+    labels[2, 1:] = PAD
+    loss, nll = label_smoothed_nll_loss(logits, labels, epsilon, ignore_index=PAD)
+    (gradient,) = torch.autograd.grad(loss, logits)
+    reference_logits = logits.detach().double().requires_grad_()
+    expected_loss, expected_nll = reference_label_smoothed_loss(reference_logits, labels, epsilon, ignore_index=PAD)
+    (expected_gradient,) = torch.autograd.grad(expected_loss, reference_logits)
+    torch.testing.assert_close(loss.double(), expected_loss.detach(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(nll.double(), expected_nll.detach(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(gradient.double(), expected_gradient, atol=1e-6, rtol=1e-5)
+    assert float(gradient[2, 1:].abs().sum()) == 0.0
+    as_default = labels.masked_fill(labels.eq(PAD), -100)
+    default_loss, default_nll = label_smoothed_nll_loss(logits, as_default, epsilon)
+    torch.testing.assert_close(loss, default_loss, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(nll, default_nll, atol=1e-6, rtol=1e-6)
+    token_nll, token_smooth = token_loss_terms(logits, labels, ignore_index=PAD)
+    log_probs = logits.detach().double().log_softmax(-1)
+    kept = labels.ne(PAD)
+    torch.testing.assert_close(
+        token_nll.double(), -log_probs.gather(-1, labels[..., None]).squeeze(-1) * kept, atol=1e-5, rtol=1e-5
+    )
+    torch.testing.assert_close(token_smooth.double(), -log_probs.sum(-1) * kept, atol=1e-4, rtol=1e-5)

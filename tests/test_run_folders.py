@@ -402,3 +402,59 @@ def test_a_resumed_architecture_names_at_most_four_fields_and_counts_the_rest(tm
     message = resumed_config_problem(tmp_path, FlexformerConfig(**{**base, **six}))
     assert " and 2 more fields: resume with" in message
     assert sum(f"{name}=" in message for name in six) == 4
+
+
+# Round 2 mutation survivors (issue 65)
+def reshard(checkpoint, max_shard_size="40KB") -> list[str]:
+    """Rewrite ``checkpoint``'s ``model.safetensors`` as shards and an index, as ``save_pretrained`` writes a model
+    larger than its ``max_shard_size``: the shard file names, sorted."""
+    from flexformers.modeling.modeling_flexformer import FlexformerForConditionalGeneration
+
+    staging = checkpoint.parent / f"{checkpoint.name}-shards"
+    FlexformerForConditionalGeneration.from_pretrained(checkpoint).save_pretrained(staging,
+                                                                                   max_shard_size=max_shard_size)
+    (checkpoint / "model.safetensors").unlink()
+    shards = sorted(path.name for path in staging.glob("model-*.safetensors"))
+    for name in [*shards, "model.safetensors.index.json"]:
+        shutil.move(staging / name, checkpoint / name)
+    shutil.rmtree(staging)
+    return shards
+
+
+def test_a_sharded_checkpoint_is_checked_shard_by_shard_and_resumes_exactly(tmp_path, caplog):
+    from flexformers.training_scripts.checkpoints import resolve_resume_checkpoint, weights_problem
+
+    from .test_reliability import assert_same_weights
+
+    straight = tmp_path / "straight"
+    train.run_from_argv(tiny_argv(straight, "--max_steps", "6", *SAVE_EVERY_2))
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    shutil.rmtree(out / "checkpoint-6")
+    latest = out / "checkpoint-4"
+    shards = reshard(latest)
+    assert len(shards) >= 2
+    assert weights_problem(latest) is None and checkpoint_problem(latest) is None
+    assert find_latest_complete_checkpoint(out) == (str(latest), [])
+
+    last = latest / shards[-1]
+    whole = last.read_bytes()
+    last.write_bytes(whole[:-10])  # a shard cut short (a full disk, a killed copy)
+    assert weights_problem(latest).startswith(f"{last} is truncated or has trailing bytes")
+    chosen, skipped = find_latest_complete_checkpoint(out)
+    assert chosen == str(out / "checkpoint-2")
+    assert skipped == [("checkpoint-4", f"{shards[-1]} is truncated or has trailing bytes: its header describes "
+                                        f"{len(whole)} bytes, the file has {len(whole) - 10}")]
+
+    last.unlink()
+    assert weights_problem(latest) == f"weights file {last} is missing"
+    with pytest.raises(ValueError, match=rf"--resume_from_checkpoint {latest}: not a complete checkpoint \(weights "
+                                         rf"file {shards[-1]} is missing\)"):
+        resolve_resume_checkpoint(str(latest), str(out))
+    with caplog.at_level(logging.WARNING):
+        assert resolve_resume_checkpoint("latest", str(out)) == str(out / "checkpoint-2")
+    assert f"passed over: checkpoint-4 (weights file {shards[-1]} is missing)" in caplog.text
+
+    last.write_bytes(whole)  # whole again: the run continues from the sharded checkpoint-4 as from the plain one
+    train.run_from_argv(tiny_argv(out, "--max_steps", "6", *SAVE_EVERY_2, "--resume_from_checkpoint", "latest"))
+    assert_same_weights(straight, out)
