@@ -61,6 +61,7 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
         [
             "modeling/modeling_flexformer.py",
             "modeling/backbone_blocks.py",
+            "modeling/backbone_sublayers.py",
             "modeling/positional_embeddings.py",
             "modeling/kv_caches.py",
             "modeling/cpu_kernels.py",
@@ -75,7 +76,8 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
     # checked against 50 hand-made breakages of them instead (docs/MUTATION.md).
     "losses": (["modeling/losses.py"], ["tests/test_backbone.py", REFERENCES]),
     "iot": (
-        ["modeling/modeling_iot.py", "modeling/iot_equations.py", "modeling/sublayer_order.py"],
+        ["modeling/modeling_iot.py", "modeling/iot_equations.py", "modeling/sublayer_order.py",
+         "modeling/iot_order_statistics.py"],
         ["tests/test_iot.py", REFERENCES, RANDOM_PATHS],
     ),
     "mat": (

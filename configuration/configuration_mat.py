@@ -17,6 +17,8 @@ model sizes of the paper's Table 1 (e.g. 2/256/1024 → 18.4M with the 10152-tok
 
 from __future__ import annotations
 
+import dataclasses
+
 from huggingface_hub.dataclasses import strict
 from transformers.models.bert.configuration_bert import BertConfig
 from transformers.models.roberta.configuration_roberta import RobertaConfig
@@ -168,56 +170,53 @@ class MATConfig(FlexformerConfig):
         return float(self.drop_branch_rate if self.ffn_drop_branch_rate is None else self.ffn_drop_branch_rate)
 
 
-@strict(accept_kwargs=True)
-class MATRobertaConfig(RobertaConfig):
-    r"""Configuration of :class:`MATRobertaForSequenceClassification` (model type ``mat_roberta``).
-
-    A :class:`RobertaConfig` plus ``num_attention_branches`` (N_a, the paper uses 2 on GLUE), ``drop_branch_rate``
+@dataclasses.dataclass(kw_only=True)
+class MATEncoderClassifierFields:
+    r"""MAT's fields on a RoBERTa / BERT encoder classifier (Sec. 6), the last base of its config so the strict
+    dataclass takes them as its own: ``num_attention_branches`` (N_a, the paper uses 2 on GLUE), ``drop_branch_rate``
     (ρ, Table 10's best on MRPC is 0.3), ``ffn_drop_branch_rate`` (``None`` = ρ; Eq. 7 on the FFN sub-layer),
-    ``drop_head_rate`` and ``branch_merge`` (see :class:`MATConfig`).
-    """
+    ``drop_head_rate`` and ``branch_merge`` (see :class:`MATConfig`)."""
+
+    num_attention_branches: int = 2
+    drop_branch_rate: float | int = 0.3
+    ffn_drop_branch_rate: float | int | None = None
+    drop_head_rate: float | int = 0.0
+    branch_merge: str = "paper"
+
+    def validate_mat_fields(self) -> None:
+        """The branch count, the classifier's own floats and MAT's rates and merge mode."""
+        validate_branch_count("num_attention_branches", self.num_attention_branches)
+        validate_encoder_classifier_floats(self)
+        validate_mat_regularisation(self)
+
+    @property
+    def effective_ffn_drop_branch_rate(self) -> float:
+        """ρ of the FFN drop-branch: ``ffn_drop_branch_rate``, or ``drop_branch_rate`` when unset."""
+        return float(self.drop_branch_rate if self.ffn_drop_branch_rate is None else self.ffn_drop_branch_rate)
+
+
+@strict(accept_kwargs=True)
+class MATRobertaConfig(RobertaConfig, MATEncoderClassifierFields):
+    r"""Configuration of :class:`MATRobertaForSequenceClassification` (model type ``mat_roberta``): a
+    :class:`RobertaConfig` plus :class:`MATEncoderClassifierFields`."""
 
     model_type = "mat_roberta"
 
-    num_attention_branches: int = 2
-    drop_branch_rate: float | int = 0.3
-    ffn_drop_branch_rate: float | int | None = None
-    drop_head_rate: float | int = 0.0
-    branch_merge: str = "paper"
-
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
-        validate_branch_count("num_attention_branches", self.num_attention_branches)
-        validate_encoder_classifier_floats(self)
-        validate_mat_regularisation(self)
-
-    @property
-    def effective_ffn_drop_branch_rate(self) -> float:
-        return float(self.drop_branch_rate if self.ffn_drop_branch_rate is None else self.ffn_drop_branch_rate)
+        self.validate_mat_fields()
 
 
 @strict(accept_kwargs=True)
-class MATBertConfig(BertConfig):
-    r"""Configuration of :class:`MATBertForSequenceClassification` (model type ``mat_bert``); fields as
-    :class:`MATRobertaConfig`."""
+class MATBertConfig(BertConfig, MATEncoderClassifierFields):
+    r"""Configuration of :class:`MATBertForSequenceClassification` (model type ``mat_bert``): a :class:`BertConfig`
+    plus :class:`MATEncoderClassifierFields`."""
 
     model_type = "mat_bert"
 
-    num_attention_branches: int = 2
-    drop_branch_rate: float | int = 0.3
-    ffn_drop_branch_rate: float | int | None = None
-    drop_head_rate: float | int = 0.0
-    branch_merge: str = "paper"
-
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
-        validate_branch_count("num_attention_branches", self.num_attention_branches)
-        validate_encoder_classifier_floats(self)
-        validate_mat_regularisation(self)
-
-    @property
-    def effective_ffn_drop_branch_rate(self) -> float:
-        return float(self.drop_branch_rate if self.ffn_drop_branch_rate is None else self.ffn_drop_branch_rate)
+        self.validate_mat_fields()
 
 
 def attention_parameter_count(query_dim: int, key_value_dim: int, num_branches: int) -> int:

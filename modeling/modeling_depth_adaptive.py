@@ -54,7 +54,7 @@ from .modeling_flexformer import (
     FlexformerModel,
     padding_mask,
 )
-from .transformers_compat import accepts_cache_argument, cache_field, output_cache
+from .transformers_compat import accepts_cache_argument, cache_field, drop_generation_position_arguments, output_cache
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Halting mechanisms (Sec. 3)
@@ -339,8 +339,7 @@ class DepthAdaptiveForConditionalGeneration(FlexformerForConditionalGeneration):
     ) -> DepthAdaptiveSeq2SeqLMOutput | tuple:
         """See the class docstring. `output_hidden_states` / `output_attentions` return the blocks the pass runs
         (see `BlockOutputs`): above a position's exit, its copied state and zero attention weights."""
-        for key in ("cache_position", "position_ids", "decoder_position_ids"):
-            kwargs.pop(key, None)
+        drop_generation_position_arguments(kwargs)
         if kwargs:
             raise TypeError(f"DepthAdaptiveForConditionalGeneration.forward got unexpected arguments {sorted(kwargs)}")
         config = self.config

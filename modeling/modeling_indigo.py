@@ -49,7 +49,7 @@ from .modeling_flexformer import (
     FlexformerForConditionalGeneration,
     FlexformerModel,
 )
-from .transformers_compat import accepts_cache_argument, cache_field, output_cache
+from .transformers_compat import accepts_cache_argument, cache_field, drop_generation_position_arguments, output_cache
 
 # --------------------------------------------------------------------------------------------------------------------
 # Relative-position self-attention (Eq. 7)
@@ -308,8 +308,7 @@ class InDIGOForConditionalGeneration(InsertionDecoding, FlexformerForConditional
         from the labels) are ``insertion_targets`` / ``pointer_targets``; their earlier names ``insertion_labels`` /
         ``pointer_labels`` are still taken.
         """
-        for key in ("cache_position", "position_ids", "decoder_position_ids"):
-            kwargs.pop(key, None)
+        drop_generation_position_arguments(kwargs)
         insertion_targets = _under_either_name(insertion_targets, kwargs, "insertion_targets", "insertion_labels")
         pointer_targets = _under_either_name(pointer_targets, kwargs, "pointer_targets", "pointer_labels")
         if kwargs:

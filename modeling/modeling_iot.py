@@ -10,20 +10,16 @@ the backbone's ``PerRowSublayerOrder`` seam.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache
 from transformers.generation.utils import (
     GenerateBeamEncoderDecoderOutput,
-    GenerateEncoderDecoderOutput,
 )
 from transformers.modeling_outputs import (
     BaseModelOutput,
     BaseModelOutputWithPastAndCrossAttentions,
-    Seq2SeqLMOutput,
 )
 from transformers.utils import can_return_tuple
 
@@ -43,6 +39,13 @@ from .iot_equations import (
     sharpness_loss,
     weighted_path_loss,
 )
+from .iot_order_statistics import IOTOrderStatistics
+from .iot_outputs import (
+    IOTEncoderOutput,
+    IOTGenerateBeamEncoderDecoderOutput,
+    IOTGenerateEncoderDecoderOutput,
+    IOTSeq2SeqLMOutput,
+)
 from .modeling_flexformer import (
     BackboneComponents,
     FlexformerAttention,
@@ -51,7 +54,7 @@ from .modeling_flexformer import (
     FlexformerModel,
 )
 from .sublayer_order import PerRowSublayerOrder
-from .transformers_compat import accepts_cache_argument
+from .transformers_compat import accepts_cache_argument, drop_generation_position_arguments
 
 # ---------------------------------------------------------------------------------------------------------------
 # Model
@@ -85,61 +88,6 @@ class GumbelTemperatures(nn.Module):
     def __init__(self):
         super().__init__()
         self.register_buffer("values", torch.ones(2), persistent=False)
-
-
-@dataclass
-class IOTEncoderOutput(BaseModelOutput):
-    """The encoder output plus the orders chosen per sentence (candidate indices into ``config.*_orders``).
-
-    Generation keeps it in ``model_kwargs``; ``generate()`` expands its tensors for beams / returned sequences,
-    so ``decoder_order_index`` always has one entry per decoder row.
-    """
-
-    encoder_order_index: torch.LongTensor | None = None
-    decoder_order_index: torch.LongTensor | None = None
-    encoder_order_probs: torch.FloatTensor | None = None
-    decoder_order_probs: torch.FloatTensor | None = None
-
-
-@dataclass
-class IOTSeq2SeqLMOutput(Seq2SeqLMOutput):
-    """``Seq2SeqLMOutput`` plus IOT's training signals.
-
-    path_losses (`[M, N]`): per-target-token label-smoothed loss of every encoder×decoder order path (detached;
-        in eval mode only the chosen path of each sentence is run, and this is `None`).
-    encoder_order_probs (`[b, M]`) / decoder_order_probs (`[b, M, N]` in training, `[b, N]` in eval): the
-        predictor distributions π (None without a predictor).
-    encoder_confidences (`[b, M]`) / decoder_confidences (`[b, M, N]`): the Gumbel-softmax weights γ, λ of Eq. 3.
-    diversity_loss / sharpness_loss: L_D (Eq. 5) and L_S (Eq. 6), summed over the encoder and decoder predictors.
-    encoder_order_index / decoder_order_index (`[b]`): the argmax order of each sentence (Eq. 4), as candidate
-        indices; `model.config.decoder_orders[i]` is the paper's code. `logits` are those of this path.
-    """
-
-    path_losses: torch.FloatTensor | None = None
-    encoder_order_probs: torch.FloatTensor | None = None
-    decoder_order_probs: torch.FloatTensor | None = None
-    encoder_confidences: torch.FloatTensor | None = None
-    decoder_confidences: torch.FloatTensor | None = None
-    diversity_loss: torch.FloatTensor | None = None
-    sharpness_loss: torch.FloatTensor | None = None
-    encoder_order_index: torch.LongTensor | None = None
-    decoder_order_index: torch.LongTensor | None = None
-
-
-@dataclass
-class IOTGenerateEncoderDecoderOutput(GenerateEncoderDecoderOutput):
-    """Greedy/sampling output plus the order codes (paper numbering) chosen for each input sentence."""
-
-    encoder_order_codes: torch.LongTensor | None = None
-    decoder_order_codes: torch.LongTensor | None = None
-
-
-@dataclass
-class IOTGenerateBeamEncoderDecoderOutput(GenerateBeamEncoderDecoderOutput):
-    """Beam-search output plus the order codes (paper numbering) chosen for each input sentence."""
-
-    encoder_order_codes: torch.LongTensor | None = None
-    decoder_order_codes: torch.LongTensor | None = None
 
 
 class IOTCrossAttention(FlexformerAttention):
@@ -270,7 +218,8 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
         self.gumbel_step = 0
         # Row layout for mixed orders: candidates sharing a sub-layer at a stage are neighbours (see the function).
         self.decoder_row_arrangement = contiguous_order_arrangement(config.decoder_sublayer_orders)
-        self._order_statistics = self._empty_order_statistics()
+        self._order_statistics = IOTOrderStatistics(
+            config, self.encoder_order_predictor is not None, self.decoder_order_predictor is not None)
         self._decoder_order_cache: tuple | None = None
         self.post_init()
 
@@ -462,8 +411,7 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
     ) -> IOTSeq2SeqLMOutput | tuple:
         """Training (``self.training`` and ``labels``): all M×N order paths, loss of Eq. 7. Otherwise: each
         sentence's argmax orders (Eq. 4); ``labels`` then give the label-smoothed loss of those paths."""
-        for key in ("cache_position", "position_ids", "decoder_position_ids"):
-            kwargs.pop(key, None)
+        drop_generation_position_arguments(kwargs)
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
@@ -708,7 +656,7 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
         rows = (position[decoder_choice] * num_enc + encoder_choice) * batch + sentences
         tokens_per_path = local_tokens.clamp(min=1).to(torch.float32)
         path_token_losses = (path_losses.detach().sum(dim=0) / tokens_per_path)  # [M, N]
-        self._accumulate_order_statistics(
+        self._order_statistics.accumulate(
             path_token_losses, encoder_probs, decoder_probs, encoder_choice, decoder_choice_all,
             diversity.detach(), sharpness.detach(), tau_e, tau_d,
         )
@@ -750,78 +698,10 @@ class IOTForConditionalGeneration(FlexformerForConditionalGeneration):
             decoder_order_index=decoder_choice,
         )
 
-    # -- order statistics for the training logs ------------------------------------------------------------------
-
-    def _empty_order_statistics(self) -> dict[str, torch.Tensor]:
-        """Zeroed accumulators of the order statistics, every key present from the start: a compiled training step,
-        which accumulates into them, then always meets the same dict and is not recompiled when a log line empties
-        it."""
-        num_enc, num_dec = self.config.num_encoder_orders, self.config.num_decoder_orders
-        shapes = {
-            "steps": (), "path_loss": (num_enc, num_dec), "decoder_usage": (num_dec,), "encoder_usage": (num_enc,),
-            "diversity_loss": (), "sharpness_loss": (), "tau": (2,),
-        }
-        if self.decoder_order_predictor is not None:
-            shapes["decoder_prob"] = (num_dec,)
-        if self.encoder_order_predictor is not None:
-            shapes["encoder_prob"] = (num_enc,)
-        # Per-process accumulators of logged values, not model state (no buffers: DDP would broadcast rank 0's over
-        # every rank's and `.to(dtype)` would round them), made on the host even while Transformers builds the
-        # model on the meta device; the first training forward moves them to the model's device.
-        return {name: torch.zeros(shape, dtype=torch.float32, device="cpu") for name, shape in shapes.items()}
-
-    @torch.no_grad()
-    def _accumulate_order_statistics(
-        self, path_token_losses, encoder_probs, decoder_probs, encoder_choice, decoder_choice_all,
-        diversity, sharpness, tau_e, tau_d,
-    ) -> None:
-        stats = self._order_statistics
-        num_dec = self.config.num_decoder_orders
-        num_enc = self.config.num_encoder_orders
-
-        def add(name, value):  # on the model's device: no copy to the host (a sync on a GPU) until they are logged
-            stats[name] = stats[name].to(value.device) + value.detach().float()
-
-        add("steps", torch.ones((), device=path_token_losses.device))
-        add("path_loss", path_token_losses)
-        add("decoder_usage", F.one_hot(decoder_choice_all.reshape(-1), num_dec).sum(0))
-        add("encoder_usage", F.one_hot(encoder_choice, num_enc).sum(0))
-        if decoder_probs is not None:
-            add("decoder_prob", decoder_probs.reshape(-1, num_dec).mean(0))
-        if encoder_probs is not None:
-            add("encoder_prob", encoder_probs.mean(0))
-        add("diversity_loss", diversity)
-        add("sharpness_loss", sharpness)
-        stats["tau"] = torch.stack((tau_e, tau_d)).float()
-
     def pop_order_statistics(self) -> dict[str, float]:
-        """Order statistics accumulated by training forwards since the last call, as flat ``iot/...`` floats:
-        share of sentences whose argmax decoder (encoder) order is each code, mean predictor probability per
-        code, per-token loss of each path, L_D, L_S and the temperatures. Resets the accumulators."""
-        stats = self._order_statistics
-        self._order_statistics = {name: torch.zeros_like(value) for name, value in stats.items()}
-        steps = float(stats["steps"])
-        if not steps:
-            return {}
-        out: dict[str, float] = {}
-        for side, codes in (("decoder", self.config.decoder_orders), ("encoder", self.config.encoder_orders)):
-            usage = stats[f"{side}_usage"]
-            usage = usage / usage.sum().clamp(min=1)
-            for i, code in enumerate(codes):
-                if len(codes) > 1:
-                    out[f"iot/{side}_order_{code}_usage"] = float(usage[i])
-                if f"{side}_prob" in stats:
-                    out[f"iot/{side}_order_{code}_prob"] = float(stats[f"{side}_prob"][i] / steps)
-        path_loss = stats["path_loss"] / steps
-        for m, enc_code in enumerate(self.config.encoder_orders):
-            for n, dec_code in enumerate(self.config.decoder_orders):
-                name = f"iot/loss_dec{dec_code}" if len(self.config.encoder_orders) == 1 else (
-                    f"iot/loss_enc{enc_code}_dec{dec_code}")
-                out[name] = float(path_loss[m, n])
-        out["iot/diversity_loss"] = float(stats["diversity_loss"] / steps)
-        out["iot/sharpness_loss"] = float(stats["sharpness_loss"] / steps)
-        out["iot/tau_encoder"], out["iot/tau_decoder"] = (float(v) for v in stats["tau"])
-        return out
+        """Order statistics accumulated by training forwards since the last call, as flat ``iot/...`` floats (see
+        :meth:`IOTOrderStatistics.pop`). Resets the accumulators."""
+        return self._order_statistics.pop()
 
     # -- generation --------------------------------------------------------------------------------------------
 

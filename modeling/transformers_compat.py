@@ -73,6 +73,17 @@ def refuse_both_cache_names(kwargs: dict) -> None:
         raise ValueError("Pass the cache once: as `cache` or as `past_key_values`, not both.")
 
 
+#: What `generate()` passes beside the inputs that these models derive themselves: positions come from the cache and
+#: the padding (fairseq's numbering), so the passed ones are set aside.
+GENERATION_POSITION_ARGUMENTS = ("cache_position", "position_ids", "decoder_position_ids")
+
+
+def drop_generation_position_arguments(kwargs: dict) -> None:
+    """Remove :data:`GENERATION_POSITION_ARGUMENTS` from a forward's ``kwargs``."""
+    for key in GENERATION_POSITION_ARGUMENTS:
+        kwargs.pop(key, None)
+
+
 def accepts_cache_argument(forward: Callable) -> Callable:
     """Decorator for a public `forward(self, ..., past_key_values=None, ...)`: it also takes the cache as `cache=`
     (what `generate()` passes from Transformers 5.24 on, and what users of those releases write). Giving both names

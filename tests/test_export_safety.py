@@ -510,18 +510,18 @@ def test_quickstart_passes_overwrite_output_dir_to_training():
 
 
 def test_zoo_export_replaces_its_previous_export_but_refuses_anything_else(tmp_path, baseline_checkpoint):
-    from flexformers.training_scripts import zoo
+    from flexformers.training_scripts import zoo_runner
 
     hub_dir = tmp_path / "runs" / "hub" / "base"
     hub_dir.mkdir(parents=True)
     (hub_dir / "notes.txt").write_text("the user's")
     with pytest.raises(ValueError, match=r"refusing to replace .*hub/base.*--no_export"):
-        zoo.export_hub_folder(baseline_checkpoint, hub_dir)
+        zoo_runner.export_hub_folder(baseline_checkpoint, hub_dir)
     assert (hub_dir / "notes.txt").read_text() == "the user's"
 
     (hub_dir / "notes.txt").unlink()
-    zoo.export_hub_folder(baseline_checkpoint, hub_dir)
-    zoo.export_hub_folder(baseline_checkpoint, hub_dir)  # a re-evaluation replaces the zoo's own export
+    zoo_runner.export_hub_folder(baseline_checkpoint, hub_dir)
+    zoo_runner.export_hub_folder(baseline_checkpoint, hub_dir)  # a re-evaluation replaces the zoo's own export
     assert (hub_dir / "model.safetensors").is_file() and (hub_dir / EXPORT_MARKER).is_file()
 
 

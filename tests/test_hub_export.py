@@ -439,7 +439,7 @@ def test_export_writes_a_complete_hub_folder(tmp_path, baseline_checkpoint):
     # lets --overwrite replace this folder (left out of the upload), nothing else
     assert names == [
         ".flexformers-export.json",
-        "README.md", "backbone_blocks.py", "branch_merge.py", "config.json", "configuration_flexformer.py",
+        "README.md", "backbone_blocks.py", "backbone_sublayers.py", "branch_merge.py", "config.json", "configuration_flexformer.py",
         "cpu_kernels.py", "generation_config.json", "generation_hooks.py", "kv_caches.py", "losses.py",
         "model.safetensors", "modeling_flexformer.py", "positional_embeddings.py", "sublayer_order.py",
         "tokenizer.json", "tokenizer_config.json", "transformers_compat.py",

@@ -464,7 +464,7 @@ def test_model_card_reports_each_metric_with_its_own_value_and_signature():
 def test_zoo_figure_text_reports_the_models_and_the_copys_own_numbers():
     """The zoo's row text: PoV of the model beside PoV of copying the docstring, and BLEU within the training lengths
     beside copying there, each the value decode computed for that side."""
-    from flexformers.training_scripts import zoo
+    from flexformers.training_scripts import zoo_report
 
     code_sources = ["Return one.", "Add a and b.", "x = 3"]
     code_references = ["def one():\n    return 1", "def add(a, b):\n    return a + b", "x = 3"]
@@ -473,7 +473,7 @@ def test_zoo_figure_text_reports_the_models_and_the_copys_own_numbers():
     within = decode.score_hypotheses(SOURCES[1:], REFERENCES[1:], HYPOTHESES[1:], is_code=False)
     result = {"figures": {}, "test": {**test, "output_constraint": None, "beyond_training_lengths": 1,
                                       "within_training_lengths": within}}
-    text = zoo._figure_text(result)
+    text = zoo_report.figure_text(result)
     assert "PoV): 66.67% (copying the docstring: 33.33%)" in text
     assert (f"{bleu(HYPOTHESES[1:], REFERENCES[1:]):.2f} (copying {bleu(SOURCES[1:], REFERENCES[1:]):.2f})"
             in text)

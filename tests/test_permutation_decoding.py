@@ -9,7 +9,6 @@ from transformers import PrefixConstrainedLogitsProcessor
 from flexformers.training_scripts.permutation_decoding import (
     SourceWordPermutation,
     uses_permutation_of_source,
-    with_permutation_constrained_evaluation,
 )
 from flexformers.training_scripts.tokenizer import train_bpe_tokenizer
 from tests.test_conformance import LEFT_TO_RIGHT_TYPES, tiny_model
@@ -127,13 +126,15 @@ def test_sentences_must_match_the_sources(tokenizer):
 def test_trainer_evaluation_decodes_under_the_constraint(tokenizer, tmp_path):
     """``flexformers-train``'s validation during training generates as ``flexformers-decode`` does on the test set:
     the sources are read back from the batch and every generated output is a permutation of its source."""
-    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
+    from transformers import Seq2SeqTrainingArguments
+
+    from flexformers.training_scripts.trainer import FlexformersSeq2SeqTrainer
 
     model = tiny_model("flexformer", vocab_size=len(tokenizer))
-    trainer_class = with_permutation_constrained_evaluation(Seq2SeqTrainer, tokenizer)
     arguments = Seq2SeqTrainingArguments(output_dir=str(tmp_path), predict_with_generate=True, report_to=[],
                                          generation_max_length=40)
-    trainer = trainer_class(model=model, args=arguments, processing_class=tokenizer)
+    trainer = FlexformersSeq2SeqTrainer(model=model, args=arguments, processing_class=tokenizer,
+                                        permutation_source_tokenizer=tokenizer)
     batch = dict(tokenizer(SOURCES, return_tensors="pt", padding=True))
     batch["labels"] = tokenizer([" ".join(sorted(s.split())) for s in SOURCES], return_tensors="pt",
                                 padding=True)["input_ids"]

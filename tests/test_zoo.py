@@ -11,7 +11,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from flexformers.training_scripts import zoo
+from flexformers.training_scripts import zoo, zoo_recipes, zoo_report, zoo_runner, zoo_statistics
+from flexformers.training_scripts.methods import depth_adaptive as depth_adaptive_method
+from flexformers.training_scripts.methods import indigo as indigo_method
+from flexformers.training_scripts.methods import iot as iot_method
 
 RECIPE_HEADER = """
 defaults: {updates: 3, eval_every: 2}
@@ -45,7 +48,7 @@ def write_recipes(tmp_path: Path, recipes: str, header: str = RECIPE_HEADER) -> 
 
 
 def test_the_shipped_recipes_are_valid_and_cover_every_claim():
-    recipes = zoo.load_recipes()
+    recipes = zoo_recipes.load_recipes()
     names = [recipe.name for recipe in recipes]
     assert len(names) == len(set(names))
     claims = {recipe.claim for recipe in recipes}
@@ -70,10 +73,12 @@ def test_syn_recipes_name_the_spacy_pipeline_they_parse_with(tmp_path):
   - {name: l2r, task: word_order, model_type: indigo, flags: [--order, l2r]}
   - {name: base, task: word_order, model_type: flexformer}
 """)
-    assert [recipe.spacy_pipeline for recipe in zoo.load_recipes(path)] == ["en_core_web_sm", "en_core_web_md", None, None]
-    shipped = {recipe.name: recipe for recipe in zoo.load_recipes()}
-    assert shipped["indigo-syn-word-order"].spacy_pipeline == "en_core_web_sm"
-    assert [name for name, recipe in shipped.items() if recipe.spacy_pipeline] == ["indigo-syn-word-order"]
+    assert [indigo_method.syn_spacy_pipeline(recipe.flags) for recipe in zoo_recipes.load_recipes(path)] == [
+        "en_core_web_sm", "en_core_web_md", None, None]
+    shipped = {recipe.name: recipe for recipe in zoo_recipes.load_recipes()}
+    assert indigo_method.syn_spacy_pipeline(shipped["indigo-syn-word-order"].flags) == "en_core_web_sm"
+    assert [name for name, recipe in shipped.items() if indigo_method.syn_spacy_pipeline(recipe.flags)] == [
+        "indigo-syn-word-order"]
 
 
 def test_without_spacy_run_all_skips_the_syn_recipes_and_naming_one_is_a_clear_error(tmp_path, monkeypatch, capsys):
@@ -81,7 +86,7 @@ def test_without_spacy_run_all_skips_the_syn_recipes_and_naming_one_is_a_clear_e
   - {name: syn, task: word_order, model_type: indigo, flags: [--order, syn]}
 """)
     missing = "The SYN order needs spaCy with an English pipeline (test)"
-    monkeypatch.setattr(zoo, "_spacy_pipeline_missing", lambda name: missing)
+    monkeypatch.setattr(indigo_method, "spacy_pipeline_missing", lambda name: missing)
     ran = []
 
     def fake_run(recipe, runs_dir, **kwargs):
@@ -93,10 +98,12 @@ def test_without_spacy_run_all_skips_the_syn_recipes_and_naming_one_is_a_clear_e
         patch.setattr(zoo, "run_recipe", fake_run)
         assert zoo.main([*argv, "run", "--all", "--smoke"]) == 0
     assert ran == ["base"]
-    assert f"skipping the recipes that parse their targets with spaCy (syn): {missing}" in capsys.readouterr().out
+    assert ("skipping the recipes that cannot train on this machine (syn): it parses its targets with spaCy "
+            f"(InDIGO's SYN order): {missing}") in capsys.readouterr().out
     assert zoo.main([*argv, "run", "syn", "--smoke"]) == 1  # nothing is trained: the parser is checked first
-    assert f"recipe 'syn' parses its targets with spaCy (InDIGO's SYN order): {missing}" in capsys.readouterr().err
-    assert zoo.trained_updates(tmp_path / "runs" / "syn") == 0
+    assert ("recipe 'syn' cannot train on this machine: it parses its targets with spaCy (InDIGO's SYN order): "
+            f"{missing}") in capsys.readouterr().err
+    assert zoo_runner.trained_updates(tmp_path / "runs" / "syn") == 0
 
 
 @pytest.mark.parametrize(("recipes", "message"), [
@@ -114,21 +121,21 @@ def test_without_spacy_run_all_skips_the_syn_recipes_and_naming_one_is_a_clear_e
 ])
 def test_malformed_recipes_are_named(tmp_path, recipes, message):
     with pytest.raises(ValueError, match=message):
-        zoo.load_recipes(write_recipes(tmp_path, recipes))
+        zoo_recipes.load_recipes(write_recipes(tmp_path, recipes))
 
 
 def test_malformed_files_are_named(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
-        zoo.load_recipes(tmp_path / "missing.yaml")
+        zoo_recipes.load_recipes(tmp_path / "missing.yaml")
     (tmp_path / "bad.yaml").write_text("recipes: [unclosed\n")
     with pytest.raises(ValueError, match="bad.yaml is not valid YAML"):
-        zoo.load_recipes(tmp_path / "bad.yaml")
+        zoo_recipes.load_recipes(tmp_path / "bad.yaml")
     (tmp_path / "empty.yaml").write_text("tasks: {}\n")
     with pytest.raises(ValueError, match="needs a non-empty 'recipes:' list"):
-        zoo.load_recipes(tmp_path / "empty.yaml")
+        zoo_recipes.load_recipes(tmp_path / "empty.yaml")
     header = RECIPE_HEADER.replace("    warmup_steps: 1\n", "")
     with pytest.raises(ValueError, match="task 'word_order': missing warmup_steps"):
-        zoo.load_recipes(write_recipes(tmp_path, "  - {name: a, task: word_order, model_type: flexformer}\n", header))
+        zoo_recipes.load_recipes(write_recipes(tmp_path, "  - {name: a, task: word_order, model_type: flexformer}\n", header))
 
 
 def test_the_command_line_names_bad_requests(tmp_path, capsys):
@@ -143,11 +150,11 @@ def test_the_command_line_names_bad_requests(tmp_path, capsys):
 
 def test_last_fifth_gain_reads_the_flattening_criterion():
     rising = [{"update": u, "bleu": b} for u, b in [(1000, 10), (2000, 20), (3000, 25), (4000, 28), (5000, 30)]]
-    assert zoo.last_fifth_gain(rising) == 2.0  # one point in each window: update 5000 against update 4000
+    assert zoo_statistics.last_fifth_gain(rising) == 2.0  # one point in each window: update 5000 against update 4000
     flat = [{"update": u, "bleu": b} for u, b in [(1000, 10), (2000, 20), (3000, 25), (4000, 30.0), (5000, 30.3)]]
-    assert zoo.last_fifth_gain(flat) == pytest.approx(0.3)
-    assert zoo.last_fifth_gain(flat[:1]) is None  # too few points to say
-    assert zoo.last_fifth_gain([]) is None
+    assert zoo_statistics.last_fifth_gain(flat) == pytest.approx(0.3)
+    assert zoo_statistics.last_fifth_gain(flat[:1]) is None  # too few points to say
+    assert zoo_statistics.last_fifth_gain([]) is None
 
 
 def test_last_fifth_gain_fits_a_line_through_the_points_of_the_last_fifth():
@@ -156,17 +163,17 @@ def test_last_fifth_gain_fits_a_line_through_the_points_of_the_last_fifth():
     curve = [{"update": 1000 * (19 + i), "bleu": b} for i, b in enumerate(tail)]
     xs, ys = list(range(6)), tail[1:]  # the fifth is updates 20k-25k, its starting point included, 19k outside
     slope = sum((x - 2.5) * (y - sum(ys) / 6) for x, y in zip(xs, ys)) / sum((x - 2.5) ** 2 for x in xs)
-    assert zoo.last_fifth_gain(curve) == pytest.approx(round(slope * 5, 2))
-    assert zoo.last_fifth_gain(curve) < zoo.FLAT_CURVE_GAIN  # although the last point is 0.31 above the first
+    assert zoo_statistics.last_fifth_gain(curve) == pytest.approx(round(slope * 5, 2))
+    assert zoo_statistics.last_fifth_gain(curve) < zoo_statistics.FLAT_CURVE_GAIN  # although the last point is 0.31 above the first
     # one noisy point moves a line through six points by far less than a difference of two points
     noisy = [dict(point) for point in curve]
     noisy[-1]["bleu"] += 1.0
-    assert zoo.last_fifth_gain(noisy) - zoo.last_fifth_gain(curve) == pytest.approx(2.5 / 17.5 * 5, abs=0.01)
+    assert zoo_statistics.last_fifth_gain(noisy) - zoo_statistics.last_fifth_gain(curve) == pytest.approx(2.5 / 17.5 * 5, abs=0.01)
     # the first inverse-sqrt run of the same seed at 15k (300 sentences): still rising over its last fifth, which
     # the means of the last two fifths (-0.12) missed; it gained 2.3 test BLEU by 25k
     s1 = [4.04, 6.34, 11.93, 16.79, 18.36, 18.78, 19.68, 20.45, 21.35, 21.58, 22.78, 21.73, 20.73, 23.51, 21.49]
     early = [{"update": 1000 * (i + 1), "bleu": b} for i, b in enumerate(s1)]
-    assert zoo.last_fifth_gain(early) > zoo.FLAT_CURVE_GAIN
+    assert zoo_statistics.last_fifth_gain(early) > zoo_statistics.FLAT_CURVE_GAIN
 
 
 def _result(name: str, task: str, claim: str, seed: int, bleu: float, chrf: float = 50.0) -> dict:
@@ -182,28 +189,28 @@ def test_seed_spread_groups_the_seeds_of_one_configuration_and_methods_are_read_
                _result("mat-proximal-translation-s1", "mat", "mat", 1, 39.0),
                _result("indigo-l2r-word-order", "word_order", "indigo", 1, 50.0)]
     results[4]["recipe"]["task"] = "translation"
-    spread = zoo.seed_spread(results)
+    spread = zoo_statistics.seed_spread(results)
     assert [row["group"] for row in spread] == ["baseline-translation"]  # single seeds have no spread
     row = spread[0]
     assert row["seeds"] == [1, 2, 3]
     assert row["bleu"] == {"mean": 37.0, "sd": 1.0, "min": 36.0, "max": 38.0}
     assert row["chrf"]["mean"] == 56.0 and row["chrf"]["sd"] == 1.0
-    compared = zoo.against_baseline(results, spread)
+    compared = zoo_statistics.against_baseline(results, spread)
     # word order has one baseline seed: no spread to read InDIGO against yet
     assert [(r["recipe"], r["difference"], r["in_sd"]) for r in compared] == [("mat-proximal-translation-s1", 2.0, 2.0)]
     assert row["converged_seeds"] == 0  # these results have no curve
-    assert zoo.seed_group("baseline-translation-s12") == "baseline-translation"
-    assert zoo.seed_group("baseline-translation-half") == "baseline-translation-half"
+    assert zoo_statistics.seed_group("baseline-translation-s12") == "baseline-translation"
+    assert zoo_statistics.seed_group("baseline-translation-half") == "baseline-translation-half"
 
 
 def test_a_converged_baseline_has_a_flat_curve_and_scores_well_above_copying():
     flat = [{"update": u, "bleu": b} for u, b in ((600, 30.0), (800, 30.2), (900, 30.1), (1000, 30.3))]
     rising = [{"update": u, "bleu": b} for u, b in ((600, 20.0), (800, 22.0), (1000, 24.0))]
     result = {"test": {"gain_over_copy": {"bleu": 24.7}}, "validation_curve": flat}
-    assert zoo.converged(result)
-    assert not zoo.converged({**result, "validation_curve": rising})  # still climbing
-    assert not zoo.converged({**result, "validation_curve": flat[-1:]})  # one point: no slope to read
-    assert not zoo.converged({**result, "test": {"gain_over_copy": {"bleu": -2.8}}})  # flat, but below copying
+    assert zoo_statistics.converged(result)
+    assert not zoo_statistics.converged({**result, "validation_curve": rising})  # still climbing
+    assert not zoo_statistics.converged({**result, "validation_curve": flat[-1:]})  # one point: no slope to read
+    assert not zoo_statistics.converged({**result, "test": {"gain_over_copy": {"bleu": -2.8}}})  # flat, but below copying
 
 
 def test_training_argv_resumes_and_initialises(tmp_path):
@@ -212,15 +219,15 @@ def test_training_argv_resumes_and_initialises(tmp_path):
         "  - {name: mat, task: word_order, model_type: mat, init_from: base, overrides: drop_branch_rate=0.3}\n"
         "  - {name: sao, task: word_order, model_type: indigo, init_from: base, flags: [--order, sao]}\n"
     ))
-    base, mat, sao = zoo.load_recipes(path)
+    base, mat, sao = zoo_recipes.load_recipes(path)
     runs = tmp_path / "runs"
-    argv = zoo.training_argv(base, runs / "base", runs)
+    argv = zoo_runner.training_argv(base, runs / "base", runs)
     assert argv[argv.index("--seed") + 1] == "5" and argv[argv.index("--max_steps") + 1] == "3"
     assert "--resume_from_checkpoint" not in argv
-    mat_argv = zoo.training_argv(mat, runs / "mat", runs)
+    mat_argv = zoo_runner.training_argv(mat, runs / "mat", runs)
     assert mat_argv[mat_argv.index("--baseline_checkpoint") + 1] == str(runs / "base")
     assert "drop_branch_rate=0.3" in mat_argv[mat_argv.index("--config_overrides") + 1]
-    sao_argv = zoo.training_argv(sao, runs / "sao", runs)
+    sao_argv = zoo_runner.training_argv(sao, runs / "sao", runs)
     assert sao_argv[sao_argv.index("--model_name_or_path") + 1] == str(runs / "base")
     assert "--preset" not in sao_argv and sao_argv[-2:] == ["--order", "sao"]
 
@@ -233,11 +240,11 @@ def test_training_argv_resumes_and_initialises(tmp_path):
         for state in ("optimizer.pt", "scheduler.pt"):  # a complete checkpoint resumes exactly
             torch.save({}, checkpoint / state)
     for recipe in (mat, sao):
-        resumed = zoo.training_argv(recipe, runs / recipe.name, runs)
+        resumed = zoo_runner.training_argv(recipe, runs / recipe.name, runs)
         assert resumed[resumed.index("--model_name_or_path") + 1] == str(runs / recipe.name / "checkpoint-2")
         assert resumed[resumed.index("--resume_from_checkpoint") + 1] == "latest"
         assert not {"--preset", "--baseline_checkpoint", "--tokenizer_name_or_path"} & set(resumed)
-    mat_argv = zoo.training_argv(mat, runs / "mat", runs)
+    mat_argv = zoo_runner.training_argv(mat, runs / "mat", runs)
     assert mat_argv[mat_argv.index("--config_overrides") + 1] == "drop_branch_rate=0.3"  # the recipe's own only
 
 
@@ -253,8 +260,8 @@ def test_smoke_runs_resume_and_render(tmp_path):
     argv = ["--recipes", str(path), "--runs_dir", str(runs), "--records_dir", str(tmp_path / "records")]
     assert zoo.main([*argv, "run", "--all", "--smoke"]) == 0
     for name in ("base", "mat"):
-        result = json.loads((runs / name / zoo.RESULT_FILE).read_text())
-        assert result["updates"] == zoo.SMOKE_UPDATES and result["smoke"]
+        result = json.loads((runs / name / zoo_runner.RESULT_FILE).read_text())
+        assert result["updates"] == zoo_recipes.SMOKE_UPDATES and result["smoke"]
         assert set(result["test"]["metrics"]) == set(result["test"]["copy_baseline"]) == {"bleu", "chrf", "ter"}
         assert result["test"]["output_constraint"] == "permutation of the source words"
         assert set(result["test"]["unconstrained"]["metrics"]) == {"bleu", "chrf", "ter"}  # InDIGO's reading
@@ -263,13 +270,13 @@ def test_smoke_runs_resume_and_render(tmp_path):
 
     # cut off: the result, the final model and the last checkpoint are gone, the first checkpoint is left
     base = runs / "base"
-    (base / zoo.RESULT_FILE).unlink()
+    (base / zoo_runner.RESULT_FILE).unlink()
     (base / "model.safetensors").unlink()
     (base / "trainer_state.json").unlink()
-    shutil.rmtree(base / f"checkpoint-{zoo.SMOKE_UPDATES}")
-    assert zoo.trained_updates(base) == 2
+    shutil.rmtree(base / f"checkpoint-{zoo_recipes.SMOKE_UPDATES}")
+    assert zoo_runner.trained_updates(base) == 2
     assert zoo.main([*argv, "run", "base", "--smoke"]) == 0
-    progress = json.loads((base / zoo.PROGRESS_FILE).read_text())["segments"]
+    progress = json.loads((base / zoo_runner.PROGRESS_FILE).read_text())["segments"]
     assert [(s["from_update"], s["to_update"]) for s in progress] == [(0, 3), (2, 3)]
     assert zoo.main([*argv, "run", "--all", "--smoke"]) == 0  # finished recipes are skipped
 
@@ -282,12 +289,12 @@ def test_smoke_runs_resume_and_render(tmp_path):
     # a run that started from another recipe resumes without that recipe's run folder (a GPU head start resumed on
     # another machine, where only the starting recipe's record is): its own checkpoint holds the start trained on
     mat = runs / "mat"
-    for name in (zoo.RESULT_FILE, "model.safetensors", "trainer_state.json"):
+    for name in (zoo_runner.RESULT_FILE, "model.safetensors", "trainer_state.json"):
         (mat / name).unlink()
-    shutil.rmtree(mat / f"checkpoint-{zoo.SMOKE_UPDATES}")
+    shutil.rmtree(mat / f"checkpoint-{zoo_recipes.SMOKE_UPDATES}")
     shutil.rmtree(base)
     assert zoo.main([*argv, "run", "mat", "--smoke", "--no_export"]) == 0
-    progress = json.loads((mat / zoo.PROGRESS_FILE).read_text())["segments"]
+    progress = json.loads((mat / zoo_runner.PROGRESS_FILE).read_text())["segments"]
     assert [(s["from_update"], s["to_update"]) for s in progress] == [(0, 3), (2, 3)]
     assert json.loads((mat / "config.json").read_text())["model_type"] == "mat"
 
@@ -297,7 +304,7 @@ def test_a_deadline_stops_training_cleanly_and_the_next_run_resumes(tmp_path, mo
     """`run --max_minutes`: training stops at the deadline with a checkpoint, the recipe is left unfinished (no
     evaluation, no result) with its segment recorded, and the next run resumes it to the end."""
     path = write_recipes(tmp_path, "  - {name: base, task: word_order, model_type: flexformer, claim: baseline}\n")
-    (recipe,) = zoo.load_recipes(path)
+    (recipe,) = zoo_recipes.load_recipes(path)
     runs = tmp_path / "runs"
 
     class ZooClockBeforeTheDeadline:  # the zoo's own checks see time 0; training sees the real clock, long past 1.0
@@ -306,25 +313,25 @@ def test_a_deadline_stops_training_cleanly_and_the_next_run_resumes(tmp_path, mo
             return 0.0
 
     with monkeypatch.context() as patch:
-        patch.setattr(zoo, "time", ZooClockBeforeTheDeadline)
-        assert zoo.run_recipe(recipe, runs, smoke=True, export=False, deadline=1.0) is None
+        patch.setattr(zoo_runner, "time", ZooClockBeforeTheDeadline)
+        assert zoo_runner.run_recipe(recipe, runs, smoke=True, export=False, deadline=1.0) is None
     base = runs / "base"
-    assert zoo.trained_updates(base) == 1 and (base / "checkpoint-1").is_dir()
-    assert not (base / zoo.RESULT_FILE).exists()
-    assert zoo.run_recipe(recipe, runs, smoke=True, export=False, deadline=0.0) is None  # past: nothing starts
+    assert zoo_runner.trained_updates(base) == 1 and (base / "checkpoint-1").is_dir()
+    assert not (base / zoo_runner.RESULT_FILE).exists()
+    assert zoo_runner.run_recipe(recipe, runs, smoke=True, export=False, deadline=0.0) is None  # past: nothing starts
     assert zoo.main(["--recipes", str(path), "--runs_dir", str(runs), "run", "base", "--smoke", "--no_export"]) == 0
-    segments = json.loads((base / zoo.PROGRESS_FILE).read_text())["segments"]
-    assert [(s["from_update"], s["to_update"]) for s in segments] == [(0, 1), (1, zoo.SMOKE_UPDATES)]
-    assert json.loads((base / zoo.RESULT_FILE).read_text())["updates"] == zoo.SMOKE_UPDATES
+    segments = json.loads((base / zoo_runner.PROGRESS_FILE).read_text())["segments"]
+    assert [(s["from_update"], s["to_update"]) for s in segments] == [(0, 1), (1, zoo_recipes.SMOKE_UPDATES)]
+    assert json.loads((base / zoo_runner.RESULT_FILE).read_text())["updates"] == zoo_recipes.SMOKE_UPDATES
 
 
 def test_a_training_segment_is_rewritten_in_place_and_the_next_session_adds_its_own(tmp_path):
-    first = zoo.TrainingSegment(tmp_path, from_update=0)
+    first = zoo_runner.TrainingSegment(tmp_path, from_update=0)
     first.update(1000)
     first.update(2000)  # the next checkpoint of the same session
-    second = zoo.TrainingSegment(tmp_path, from_update=2000)  # a later session, resuming
+    second = zoo_runner.TrainingSegment(tmp_path, from_update=2000)  # a later session, resuming
     second.update(3000)
-    segments = json.loads((tmp_path / zoo.PROGRESS_FILE).read_text())["segments"]
+    segments = json.loads((tmp_path / zoo_runner.PROGRESS_FILE).read_text())["segments"]
     assert [(s["from_update"], s["to_update"]) for s in segments] == [(0, 2000), (2000, 3000)]
     assert not list(tmp_path.glob("*.partial"))
 
@@ -343,7 +350,7 @@ def test_a_run_cut_off_between_checkpoints_keeps_the_time_its_checkpoints_hold(t
     from flexformers.training_scripts import train
 
     path = write_recipes(tmp_path, "  - {name: base, task: word_order, model_type: flexformer, claim: baseline}\n")
-    (recipe,) = zoo.load_recipes(path)
+    (recipe,) = zoo_recipes.load_recipes(path)
     runs = tmp_path / "runs"
 
     class SessionEndsAfterTheSecondCheckpoint(TrainerCallback):
@@ -359,12 +366,12 @@ def test_a_run_cut_off_between_checkpoints_keeps_the_time_its_checkpoints_hold(t
     with monkeypatch.context() as patch:
         patch.setattr(train, "run", run_until_the_session_ends)
         with pytest.raises(SessionEnded):
-            zoo.run_recipe(recipe, runs, smoke=True, export=False)
-    (segment,) = json.loads((runs / "base" / zoo.PROGRESS_FILE).read_text())["segments"]
+            zoo_runner.run_recipe(recipe, runs, smoke=True, export=False)
+    (segment,) = json.loads((runs / "base" / zoo_runner.PROGRESS_FILE).read_text())["segments"]
     assert (segment["from_update"], segment["to_update"]) == (0, 2) and segment["seconds"] > 0
 
-    result = zoo.run_recipe(recipe, runs, smoke=True, export=False)
-    assert [(s["from_update"], s["to_update"]) for s in result["segments"]] == [(0, 2), (2, zoo.SMOKE_UPDATES)]
+    result = zoo_runner.run_recipe(recipe, runs, smoke=True, export=False)
+    assert [(s["from_update"], s["to_update"]) for s in result["segments"]] == [(0, 2), (2, zoo_recipes.SMOKE_UPDATES)]
     assert result["training_seconds"] == pytest.approx(sum(s["seconds"] for s in result["segments"]), abs=0.1)
     assert result["sessions"] == 2
 
@@ -378,20 +385,20 @@ def test_finished_recipes_are_recorded_for_later_sessions(tmp_path, capsys):
         "  - {name: base, task: word_order, model_type: flexformer, claim: baseline}\n"
         "  - {name: mat, task: word_order, model_type: mat, init_from: base, claim: mat}\n"
     ))
-    base, mat = zoo.load_recipes(path)
+    base, mat = zoo_recipes.load_recipes(path)
     records = tmp_path / "records"
-    result = zoo.run_recipe(base, tmp_path / "session1", smoke=True, export=False, records_dir=records)
+    result = zoo_runner.run_recipe(base, tmp_path / "session1", smoke=True, export=False, records_dir=records)
     result = json.loads(json.dumps(result))  # as stored (tuples become lists)
     assert json.loads((records / "base.json").read_text()) == result
 
     later = tmp_path / "session2"
-    assert zoo.run_recipe(base, later, smoke=True, export=False, records_dir=records) == result
+    assert zoo_runner.run_recipe(base, later, smoke=True, export=False, records_dir=records) == result
     assert not (later / "base").exists()  # not trained again
     argv = ["--recipes", str(path), "--runs_dir", str(later), "--records_dir", str(records)]
     assert zoo.main([*argv, "list"]) == 0
     assert "finished in another session" in capsys.readouterr().out
     with pytest.raises(ValueError, match="finished in another session .* whose run folder is not in"):
-        zoo.run_recipe(mat, later, smoke=True, export=False, records_dir=records)
+        zoo_runner.run_recipe(mat, later, smoke=True, export=False, records_dir=records)
     docs = tmp_path / "docs" / "ZOO.md"
     assert zoo.main([*argv, "render", "--docs", str(docs)]) == 0
     assert "| base | baseline |" in docs.read_text() and "`mat` (not started)" in docs.read_text()
@@ -400,10 +407,10 @@ def test_finished_recipes_are_recorded_for_later_sessions(tmp_path, capsys):
     first = tmp_path / "session1" / "base"
     session1 = ["--recipes", str(path), "--runs_dir", str(first.parent), "--records_dir", str(records)]
     stamp = (first / "model.safetensors").stat().st_mtime_ns
-    (first / zoo.RESULT_FILE).write_text(json.dumps({**result, "figures": {"stale": 1}}))
+    (first / zoo_runner.RESULT_FILE).write_text(json.dumps({**result, "figures": {"stale": 1}}))
     assert zoo.main([*session1, "reevaluate", "base", "--no_export"]) == 0
     assert "base: test BLEU" in capsys.readouterr().out
-    again = json.loads((first / zoo.RESULT_FILE).read_text())
+    again = json.loads((first / zoo_runner.RESULT_FILE).read_text())
     assert "stale" not in again["figures"] and again["test"] == result["test"]
     assert (again["training_seconds"], again["validation_curve"]) == (result["training_seconds"],
                                                                        result["validation_curve"])
@@ -417,36 +424,36 @@ def test_a_task_budget_applies_to_its_recipes_unless_one_sets_its_own(tmp_path):
     header = RECIPE_HEADER.replace("    warmup_steps: 1\n", "    warmup_steps: 1\n    updates: 7\n")
     path = write_recipes(tmp_path, ("  - {name: a, task: word_order, model_type: flexformer}\n"
                                     "  - {name: b, task: word_order, model_type: flexformer, updates: 2}\n"), header)
-    a, b = zoo.load_recipes(path)
+    a, b = zoo_recipes.load_recipes(path)
     assert (a.updates, b.updates) == (7, 2)
-    assert zoo.load_recipes(write_recipes(tmp_path, "  - {name: a, task: word_order, model_type: flexformer}\n"))[0] \
+    assert zoo_recipes.load_recipes(write_recipes(tmp_path, "  - {name: a, task: word_order, model_type: flexformer}\n"))[0] \
         .updates == 3  # no task budget: the defaults'
 
 
 @pytest.mark.slow
 def test_a_finished_recipe_whose_budget_grew_trains_on_from_its_last_checkpoint(tmp_path, monkeypatch):
     path = write_recipes(tmp_path, "  - {name: base, task: word_order, model_type: flexformer, claim: baseline}\n")
-    (recipe,) = zoo.load_recipes(path)
+    (recipe,) = zoo_recipes.load_recipes(path)
     runs, records = tmp_path / "runs", tmp_path / "records"
-    first = zoo.run_recipe(recipe, runs, smoke=True, export=False, records_dir=records)
-    assert first["updates"] == zoo.SMOKE_UPDATES
-    monkeypatch.setattr(zoo, "SMOKE_UPDATES", zoo.SMOKE_UPDATES + 2)  # the budget grows by two updates
-    grown = dataclasses.replace(recipe, updates=zoo.SMOKE_UPDATES)
-    assert zoo.recipe_status(grown, runs, records) == f"{first['updates']}/{grown.updates} updates"
-    assert zoo._results([grown], runs, records) == []  # not rendered as finished
-    second = zoo.run_recipe(grown, runs, smoke=True, export=False, records_dir=records)
-    assert second["updates"] == zoo.SMOKE_UPDATES
-    segments = json.loads((runs / "base" / zoo.PROGRESS_FILE).read_text())["segments"]
+    first = zoo_runner.run_recipe(recipe, runs, smoke=True, export=False, records_dir=records)
+    assert first["updates"] == zoo_recipes.SMOKE_UPDATES
+    monkeypatch.setattr(zoo_recipes, "SMOKE_UPDATES", zoo_recipes.SMOKE_UPDATES + 2)  # the budget grows by two updates
+    grown = dataclasses.replace(recipe, updates=zoo_recipes.SMOKE_UPDATES)
+    assert zoo_runner.recipe_status(grown, runs, records) == f"{first['updates']}/{grown.updates} updates"
+    assert zoo_runner.finished_results([grown], runs, records) == []  # not rendered as finished
+    second = zoo_runner.run_recipe(grown, runs, smoke=True, export=False, records_dir=records)
+    assert second["updates"] == zoo_recipes.SMOKE_UPDATES
+    segments = json.loads((runs / "base" / zoo_runner.PROGRESS_FILE).read_text())["segments"]
     assert [(s["from_update"], s["to_update"]) for s in segments] == [(0, first["updates"]),
-                                                                       (first["updates"], zoo.SMOKE_UPDATES)]
+                                                                       (first["updates"], zoo_recipes.SMOKE_UPDATES)]
     # one curve, continued: the first run's points are kept
     assert [p["update"] for p in second["validation_curve"]] == [2, 3, 4, 5]
-    assert json.loads((records / "base.json").read_text())["updates"] == zoo.SMOKE_UPDATES
-    assert zoo.recipe_status(grown, runs, records) == "finished"
+    assert json.loads((records / "base.json").read_text())["updates"] == zoo_recipes.SMOKE_UPDATES
+    assert zoo_runner.recipe_status(grown, runs, records) == "finished"
 
     # a later machine without the run folder cannot train on from the recorded updates: it says what to do
     with pytest.raises(ValueError, match="budget grew from 5 to 7 updates, but the checkpoints .* copy its run"):
-        zoo.run_recipe(dataclasses.replace(recipe, updates=7), tmp_path / "elsewhere", smoke=False, export=False,
+        zoo_runner.run_recipe(dataclasses.replace(recipe, updates=7), tmp_path / "elsewhere", smoke=False, export=False,
                        records_dir=records)
 
 
@@ -455,17 +462,17 @@ def test_a_task_schedule_reaches_the_training_command_unless_a_recipe_sets_its_o
     path = write_recipes(tmp_path, ("  - {name: a, task: word_order, model_type: flexformer}\n"
                                     "  - {name: b, task: word_order, model_type: flexformer, lr_scheduler: linear}\n"),
                          header)
-    a, b = zoo.load_recipes(path)
+    a, b = zoo_recipes.load_recipes(path)
     for recipe, schedule in ((a, "cosine"), (b, "linear")):
-        argv = zoo.training_argv(recipe, tmp_path / recipe.name, tmp_path)
+        argv = zoo_runner.training_argv(recipe, tmp_path / recipe.name, tmp_path)
         assert argv[argv.index("--lr_scheduler_type") + 1] == schedule
-    (plain,) = zoo.load_recipes(write_recipes(tmp_path, "  - {name: a, task: word_order, model_type: flexformer}\n"))
+    (plain,) = zoo_recipes.load_recipes(write_recipes(tmp_path, "  - {name: a, task: word_order, model_type: flexformer}\n"))
     assert plain.lr_scheduler == "inverse_sqrt"  # neither the task nor the defaults name one
-    translation = {r.name: r for r in zoo.load_recipes()}["baseline-translation-s1"]
+    translation = {r.name: r for r in zoo_recipes.load_recipes()}["baseline-translation-s1"]
     assert translation.lr_scheduler == "cosine"
 
 
-def _recorded(recipe: zoo.ZooRecipe, trained: int, **changes) -> dict:
+def _recorded(recipe: zoo_recipes.ZooRecipe, trained: int, **changes) -> dict:
     """A result of ``recipe`` (changed by ``changes``) trained for ``trained`` updates, as a record stores it."""
     stored = json.loads(json.dumps(dataclasses.asdict(dataclasses.replace(recipe, **changes))))
     return {"recipe": stored, "updates": trained, "smoke": False}
@@ -473,60 +480,60 @@ def _recorded(recipe: zoo.ZooRecipe, trained: int, **changes) -> dict:
 
 def test_a_result_of_an_earlier_version_of_a_recipe_is_not_counted_as_its_result(tmp_path):
     header = RECIPE_HEADER.replace("    warmup_steps: 1\n", "    warmup_steps: 1\n    lr_scheduler: cosine\n")
-    (recipe,) = zoo.load_recipes(write_recipes(
+    (recipe,) = zoo_recipes.load_recipes(write_recipes(
         tmp_path, "  - {name: base, task: word_order, model_type: flexformer, claim: baseline}\n", header))
-    assert zoo.recipe_changes(_recorded(recipe, 3)["recipe"], recipe) == []
-    assert zoo.recipe_changes(_recorded(recipe, 3, updates=9)["recipe"], recipe) == []  # a budget is not a change
+    assert zoo_recipes.recipe_changes(_recorded(recipe, 3)["recipe"], recipe) == []
+    assert zoo_recipes.recipe_changes(_recorded(recipe, 3, updates=9)["recipe"], recipe) == []  # a budget is not a change
     older = _recorded(recipe, 3)["recipe"]
     del older["lr_scheduler"]  # written before recipes had a schedule: it was inverse-sqrt's
-    assert zoo.recipe_changes(older, recipe) == ["lr_scheduler"]
+    assert zoo_recipes.recipe_changes(older, recipe) == ["lr_scheduler"]
     retuned = _recorded(recipe, 3, task_settings={**recipe.task_settings, "learning_rate": 1e-3})["recipe"]
-    assert zoo.recipe_changes(retuned, recipe) == ["task_settings.learning_rate"]
+    assert zoo_recipes.recipe_changes(retuned, recipe) == ["task_settings.learning_rate"]
 
     runs, records = tmp_path / "runs", tmp_path / "records"
     records.mkdir()
     (records / "base.json").write_text(json.dumps({**_recorded(recipe, 3, eval_samples=7), "test": {}}))
-    assert zoo.recipe_status(recipe, runs, records).startswith("its result is of an earlier version of the recipe "
+    assert zoo_runner.recipe_status(recipe, runs, records).startswith("its result is of an earlier version of the recipe "
                                                                "(eval_samples differ)")
-    assert zoo._results([recipe], runs, records) == []  # not rendered
+    assert zoo_runner.finished_results([recipe], runs, records) == []  # not rendered
     with pytest.raises(ValueError, match="'base' has changed since its result .*base.json was written "
                                          "\\(eval_samples differ\\).* Rename the recipe to keep both, or delete"):
-        zoo.run_recipe(recipe, runs, records_dir=records)
+        zoo_runner.run_recipe(recipe, runs, records_dir=records)
     assert not (runs / "base").exists()  # nothing trained
 
 
 def test_a_schedule_that_depends_on_the_budget_does_not_train_on_when_the_budget_grows(tmp_path):
     header = RECIPE_HEADER.replace("    warmup_steps: 1\n", "    warmup_steps: 1\n    lr_scheduler: cosine\n")
-    (recipe,) = zoo.load_recipes(write_recipes(
+    (recipe,) = zoo_recipes.load_recipes(write_recipes(
         tmp_path, "  - {name: base, task: word_order, model_type: flexformer, updates: 20}\n", header))
     runs, records = tmp_path / "runs", tmp_path / "records"
     records.mkdir()
     (records / "base.json").write_text(json.dumps(_recorded(recipe, 10, updates=10)))
     with pytest.raises(ValueError, match="budget changed from 10 to 20 updates, but its cosine learning rate depends "
                                          "on the budget"):
-        zoo.run_recipe(recipe, runs, records_dir=records)
+        zoo_runner.run_recipe(recipe, runs, records_dir=records)
     # nor does an unfinished run whose budget changed on the way: its checkpoint was trained towards 10 updates
     checkpoint = runs / "base" / "checkpoint-4"
     checkpoint.mkdir(parents=True)
     (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 4, "max_steps": 10}))
-    assert zoo.planned_updates(runs / "base") == 10
+    assert zoo_runner.planned_updates(runs / "base") == 10
     with pytest.raises(ValueError, match="budget changed from 10 to 20 updates"):
-        zoo.run_recipe(recipe, runs)
+        zoo_runner.run_recipe(recipe, runs)
 
 
 def test_the_run_state_is_read_from_its_furthest_trained_point(tmp_path):
     """A run that finished at 10 updates and trained on towards a grown budget of 30 keeps its final state of 10
     beside checkpoints of 20 and 9 (numbered, not sorted by name: checkpoint-9 is older than checkpoint-20)."""
     run = tmp_path / "run"
-    assert zoo.trained_updates(run) == 0 and zoo.planned_updates(run) is None
+    assert zoo_runner.trained_updates(run) == 0 and zoo_runner.planned_updates(run) is None
     run.mkdir()
     (run / "trainer_state.json").write_text(json.dumps({"global_step": 10, "max_steps": 10}))
-    assert (zoo.trained_updates(run), zoo.planned_updates(run)) == (10, 10)
+    assert (zoo_runner.trained_updates(run), zoo_runner.planned_updates(run)) == (10, 10)
     for step, planned in ((9, 10), (20, 30)):
         (run / f"checkpoint-{step}").mkdir()
         (run / f"checkpoint-{step}" / "trainer_state.json").write_text(
             json.dumps({"global_step": step, "max_steps": planned}))
-    assert (zoo.trained_updates(run), zoo.planned_updates(run)) == (20, 30)
+    assert (zoo_runner.trained_updates(run), zoo_runner.planned_updates(run)) == (20, 30)
 
 
 def test_a_run_trained_in_turn_on_several_machines_names_each_with_its_updates():
@@ -536,8 +543,8 @@ def test_a_run_trained_in_turn_on_several_machines_names_each_with_its_updates()
     segments = [{"from_update": 0, "to_update": 10934, "machine": gpu},
                 {"from_update": 10934, "to_update": 16437, "machine": gpu},
                 {"from_update": 16437, "to_update": 25000, "machine": cpu}]
-    assert zoo.machines_trained_on(segments) == f"{gpu} (16,437 updates), then {cpu} (8,563 updates)"
-    assert zoo.machines_trained_on(segments[:2]) == gpu
+    assert zoo_runner.machines_trained_on(segments) == f"{gpu} (16,437 updates), then {cpu} (8,563 updates)"
+    assert zoo_runner.machines_trained_on(segments[:2]) == gpu
 
 
 def test_gpu_recipes_train_with_tf32_on_a_gpu_and_are_refused_or_skipped_without_one(tmp_path, monkeypatch, capsys):
@@ -546,18 +553,18 @@ def test_gpu_recipes_train_with_tf32_on_a_gpu_and_are_refused_or_skipped_without
     path = write_recipes(tmp_path, ("  - {name: cpu, task: word_order, model_type: flexformer}\n"
                                     "  - {name: big, task: word_order_gpu, model_type: flexformer, size: iwslt}\n"),
                          header)
-    cpu, big = zoo.load_recipes(path)
-    assert "--tf32" not in zoo.training_argv(cpu, tmp_path / "cpu", tmp_path)
-    argv = zoo.training_argv(big, tmp_path / "big", tmp_path)
+    cpu, big = zoo_recipes.load_recipes(path)
+    assert "--tf32" not in zoo_runner.training_argv(cpu, tmp_path / "cpu", tmp_path)
+    argv = zoo_runner.training_argv(big, tmp_path / "big", tmp_path)
     assert argv[argv.index("--tf32") + 1] == "true"
     assert argv[argv.index("--preset") + 1] == "transformer_iwslt_de_en"  # the papers' IWSLT blocks
-    assert "--tf32" not in zoo.training_argv(big, tmp_path / "big", tmp_path, smoke=True)  # smoke runs anywhere
+    assert "--tf32" not in zoo_runner.training_argv(big, tmp_path / "big", tmp_path, smoke=True)  # smoke runs anywhere
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(ValueError, match="recipe 'big' trains on a CUDA GPU .* this machine has none"):
-        zoo.run_recipe(big, tmp_path / "runs", export=False)
+        zoo_runner.run_recipe(big, tmp_path / "runs", export=False)
     assert not (tmp_path / "runs" / "big" / "checkpoint-1").exists()
-    assert zoo.recipe_status(big, tmp_path / "runs") == "not started (trains on a CUDA GPU)"
+    assert zoo_runner.recipe_status(big, tmp_path / "runs") == "not started (trains on a CUDA GPU)"
     ran = []
 
     def run_recipe(recipe, *args, **kwargs):
@@ -585,37 +592,37 @@ def test_every_shipped_recipe_runs_in_smoke_mode(tmp_path):
     assert zoo.main([*argv, "run", "--all", "--smoke"]) == 0
     assert not (tmp_path / "records").exists()  # smoke runs are not recorded
     # without the `syn` extra, the SYN recipes are skipped (see the test above); with it, they run like the rest
-    without_parser = {recipe.name for recipe in zoo.load_recipes()
-                      if recipe.spacy_pipeline and zoo._spacy_pipeline_missing(recipe.spacy_pipeline)}
-    recipes = [recipe for recipe in zoo.load_recipes() if recipe.name not in without_parser]
+    without_parser = {recipe.name for recipe in zoo_recipes.load_recipes()
+                      if recipe.missing_requirement()}
+    recipes = [recipe for recipe in zoo_recipes.load_recipes() if recipe.name not in without_parser]
     for recipe in recipes:
-        result = json.loads((runs / recipe.name / zoo.RESULT_FILE).read_text())
-        assert result["updates"] == zoo.SMOKE_UPDATES and result["recipe"]["model_type"] == recipe.model_type
+        result = json.loads((runs / recipe.name / zoo_runner.RESULT_FILE).read_text())
+        assert result["updates"] == zoo_recipes.SMOKE_UPDATES and result["recipe"]["model_type"] == recipe.model_type
         assert (runs / "hub" / recipe.name / "README.md").is_file()
-    code = json.loads((runs / "baseline-codegen-s1" / zoo.RESULT_FILE).read_text())["test"]
+    code = json.loads((runs / "baseline-codegen-s1" / zoo_runner.RESULT_FILE).read_text())["test"]
     assert set(code["metrics"]) == set(code["copy_baseline"]) == {"bleu", "chrf", "ter", "pov"}
     # the code split's pairs beyond the training lengths are scored apart, from the one decoding of the split
-    if zoo.BEYOND_TRAINING_LENGTHS_SHARE * code["num_examples"] < code["beyond_training_lengths"] < code["num_examples"]:
+    if zoo_runner.BEYOND_TRAINING_LENGTHS_SHARE * code["num_examples"] < code["beyond_training_lengths"] < code["num_examples"]:
         assert code["within_training_lengths"]["num_examples"] == code["num_examples"] - code["beyond_training_lengths"]
     else:
         assert "within_training_lengths" not in code
-    adaptive = json.loads((runs / "depth-adaptive-translation-s1" / zoo.RESULT_FILE).read_text())["figures"]
+    adaptive = json.loads((runs / "depth-adaptive-translation-s1" / zoo_runner.RESULT_FILE).read_text())["figures"]
     assert set(adaptive["depth_adaptive"]["fixed_exits"]) == {"1", "2", "3", "4"}
     assert set(adaptive["depth_adaptive"]["validation_fixed_exits"]) == {"1", "2", "3", "4"}
     assert len(adaptive["depth_adaptive"]["confidence"]["thresholds"]) == 3  # chosen on the validation sweep
-    iot = json.loads((runs / "iot-translation-s1" / zoo.RESULT_FILE).read_text())["figures"]
+    iot = json.loads((runs / "iot-translation-s1" / zoo_runner.RESULT_FILE).read_text())["figures"]
     assert any("order usage" in name for name in iot)
-    case_verification = iot[zoo.IOT_CASE_VERIFICATION]  # the paper's Fig. 2 on the test split
+    case_verification = iot[iot_method.IOT_CASE_VERIFICATION]  # the paper's Fig. 2 on the test split
     assert case_verification["orders"] == [1, 2, 3] and sum(case_verification["subsets"].values()) == 4
     assert set(case_verification["overall"]) == {"1", "2", "3", "predicted"}
-    paper_orders = json.loads((runs / "iot-paper-orders-translation-s1" / zoo.RESULT_FILE).read_text())["figures"]
-    assert paper_orders[zoo.IOT_CASE_VERIFICATION]["orders"] == [1, 4, 6]  # the paper's N = 3 set
+    paper_orders = json.loads((runs / "iot-paper-orders-translation-s1" / zoo_runner.RESULT_FILE).read_text())["figures"]
+    assert paper_orders[iot_method.IOT_CASE_VERIFICATION]["orders"] == [1, 4, 6]  # the paper's N = 3 set
     docs = tmp_path / "ZOO.md"
     assert zoo.main([*argv, "render", "--docs", str(docs)]) == 0
     assert all(f"| {recipe.name} |" in docs.read_text() for recipe in recipes)
 
 
-def _rendered_result(recipe: zoo.ZooRecipe, bleu: float, figures: dict, parameters: int) -> dict:
+def _rendered_result(recipe: zoo_recipes.ZooRecipe, bleu: float, figures: dict, parameters: int) -> dict:
     scores = {"bleu": bleu, "chrf": 50.0, "ter": 40.0}
     return {**_recorded(recipe, recipe.updates), "parameters": parameters, "training_seconds": 60.0, "sessions": 1,
             "machine": "test", "validation_curve": [], "figures": figures,
@@ -627,9 +634,9 @@ def test_iot_case_verification_is_rendered_as_the_papers_figure_2(tmp_path):
     """ZOO.md shows each IOT recipe's test sentences grouped by predicted order and decoded with every order, the
     best of each group in bold, beside IOT's own decoding and the best single order; the main table names both."""
     path = write_recipes(tmp_path, "  - {name: iot, task: word_order, model_type: iot, claim: iot}\n")
-    (recipe,) = zoo.load_recipes(path)
+    (recipe,) = zoo_recipes.load_recipes(path)
     figures = {"decoder order usage (paper code: share)": {"1": 0.6, "2": 0.4},
-               zoo.IOT_CASE_VERIFICATION: {
+               iot_method.IOT_CASE_VERIFICATION: {
                    "metric": "bleu", "orders": [1, 2], "subsets": {"1": 6, "2": 4},
                    "scores": {"1": {"1": 60.5, "2": 59.7}, "2": {"1": 37.2, "2": 37.3}},
                    "overall": {"1": 50.9, "2": 50.5, "predicted": 50.8}}}
@@ -637,7 +644,7 @@ def test_iot_case_verification_is_rendered_as_the_papers_figure_2(tmp_path):
     records.mkdir()
     (records / "iot.json").write_text(json.dumps(_rendered_result(recipe, 50.8, figures, 2_000_000)))
     docs = tmp_path / "ZOO.md"
-    zoo.render([recipe], tmp_path / "runs", docs, records)
+    zoo_report.render([recipe], tmp_path / "runs", docs, records)
     text = docs.read_text()
     assert "| subset (predicted order) | sentences | order 1 | order 2 |" in text
     assert "| set 1 | 6 | **60.50** | 59.70 |" in text and "| set 2 | 4 | 37.20 | **37.30** |" in text
@@ -651,7 +658,7 @@ def test_iot_case_verification_is_rendered_as_the_papers_figure_2(tmp_path):
 def test_code_rows_show_the_share_of_outputs_that_parse_beside_copying_the_docstring(tmp_path):
     """A code recipe's row carries PoV, the model's and copying the docstring's, which BLEU alone does not show."""
     path = write_recipes(tmp_path, "  - {name: code, task: word_order, model_type: flexformer, claim: baseline}\n")
-    (recipe,) = zoo.load_recipes(path)
+    (recipe,) = zoo_recipes.load_recipes(path)
     result = _rendered_result(recipe, 20.0, {}, 2_000_000)
     result["test"]["metrics"]["pov"] = 91.23
     result["test"]["copy_baseline"]["pov"] = 0.84
@@ -659,7 +666,7 @@ def test_code_rows_show_the_share_of_outputs_that_parse_beside_copying_the_docst
     records.mkdir()
     (records / "code.json").write_text(json.dumps(result))
     docs = tmp_path / "ZOO.md"
-    zoo.render([recipe], tmp_path / "runs", docs, records)
+    zoo_report.render([recipe], tmp_path / "runs", docs, records)
     row = next(line for line in docs.read_text().splitlines() if line.startswith("| code |"))
     assert row.endswith("| outputs that parse as Python (PoV): 91.23% (copying the docstring: 0.84%) |")
 
@@ -670,7 +677,7 @@ def test_depth_adaptive_is_rendered_against_its_full_depth_reference(tmp_path):
     path = write_recipes(tmp_path, (
         "  - {name: da, task: word_order, model_type: depth_adaptive, claim: depth-adaptive}\n"
         "  - {name: four-blocks, task: word_order, model_type: flexformer, claim: depth-adaptive}\n"))
-    adaptive, reference = zoo.load_recipes(path)
+    adaptive, reference = zoo_recipes.load_recipes(path)
     fixed = {str(n): {"bleu": b, "average_exit": float(n), "flops_per_token": 1e6 * n}
              for n, b in ((1, 30.0), (2, 33.0))}
     figures = {"depth_adaptive": {
@@ -686,13 +693,13 @@ def test_depth_adaptive_is_rendered_against_its_full_depth_reference(tmp_path):
     records.mkdir()
     (records / "da.json").write_text(json.dumps(_rendered_result(adaptive, 32.5, figures, 3_000_000)))
     docs = tmp_path / "ZOO.md"
-    zoo.render([adaptive, reference], tmp_path / "runs", docs, records)
+    zoo_report.render([adaptive, reference], tmp_path / "runs", docs, records)
     text = docs.read_text()
     assert "its full-depth reference without exits has not finished yet" in text
     assert "| fixed exit 2 | 33.00 | — | 2.00 | 2.00 M |" in text
 
     (records / "four-blocks.json").write_text(json.dumps(_rendered_result(reference, 34.0, {}, 2_000_000)))
-    zoo.render([adaptive, reference], tmp_path / "runs", docs, records)
+    zoo_report.render([adaptive, reference], tmp_path / "runs", docs, records)
     text = docs.read_text()
     assert "reference: `four-blocks`, the same blocks without exits, test BLEU 34.00 (2,000,000 parameters)" in text
     assert "| fixed exit 1 | 30.00 | -4.00 | 1.00 | 1.00 M |" in text
@@ -712,10 +719,10 @@ def test_depth_adaptive_seed_is_read_against_the_reference_of_its_own_seed():
     first, second = result("da-s1", "depth_adaptive", 1, 30.0), result("da-s2", "depth_adaptive", 2, 31.0)
     references = [result("four-blocks", "flexformer", 1, 34.0), result("four-blocks-s2", "flexformer", 2, 35.0)]
     results = [first, second, *references]
-    assert zoo._depth_adaptive_reference(first, results) is references[0]
-    assert zoo._depth_adaptive_reference(second, results) is references[1]
-    assert zoo._depth_adaptive_reference(second, [first, second, references[0]]) is references[0]
-    assert zoo._depth_adaptive_reference(second, [first, second]) is None
+    assert depth_adaptive_method.depth_adaptive_reference(first, results) is references[0]
+    assert depth_adaptive_method.depth_adaptive_reference(second, results) is references[1]
+    assert depth_adaptive_method.depth_adaptive_reference(second, [first, second, references[0]]) is references[0]
+    assert depth_adaptive_method.depth_adaptive_reference(second, [first, second]) is None
     # only the same blocks trained from scratch: not another size or width, nor a model trained on from another's
     wider = result("d256", "flexformer", 2, 46.0)
     wider["recipe"]["overrides"] = "encoder_embed_dim=256"
@@ -723,7 +730,7 @@ def test_depth_adaptive_seed_is_read_against_the_reference_of_its_own_seed():
     continued["recipe"]["init_from"] = "half-s2"
     iwslt = result("gpu-s2", "flexformer", 2, 14.0)
     iwslt["recipe"]["size"] = "iwslt"
-    assert zoo._depth_adaptive_reference(second, [first, second, wider, continued, iwslt, references[0]]) \
+    assert depth_adaptive_method.depth_adaptive_reference(second, [first, second, wider, continued, iwslt, references[0]]) \
         is references[0]
 
 
@@ -739,12 +746,12 @@ def test_indigo_seed_is_read_against_the_l2r_run_of_its_own_seed():
     sao, sao_2 = result("sao", "sao", 1, "l2r", 5000), result("sao-s2", "sao", 2, "l2r-s2", 5000)
     r2l_2 = result("r2l-s2", "r2l", 2)
     indigo = [l2r, control, sao, l2r_2, sao_2, control_2, r2l_2]
-    assert zoo._l2r_reference(sao, indigo) is control
-    assert zoo._l2r_reference(sao_2, indigo) is control_2
-    assert zoo._l2r_reference(control_2, indigo) is l2r_2
-    assert zoo._l2r_reference(r2l_2, indigo) is l2r_2
-    assert zoo._l2r_reference(l2r_2, indigo) is None and zoo._l2r_reference(l2r, indigo) is None
-    assert zoo._l2r_reference(r2l_2, [l2r, r2l_2]) is l2r
+    assert indigo_method.l2r_reference(sao, indigo) is control
+    assert indigo_method.l2r_reference(sao_2, indigo) is control_2
+    assert indigo_method.l2r_reference(control_2, indigo) is l2r_2
+    assert indigo_method.l2r_reference(r2l_2, indigo) is l2r_2
+    assert indigo_method.l2r_reference(l2r_2, indigo) is None and indigo_method.l2r_reference(l2r, indigo) is None
+    assert indigo_method.l2r_reference(r2l_2, [l2r, r2l_2]) is l2r
 
 
 def test_insertion_decoding_is_read_against_the_baseline_decoded_without_its_constraint():
@@ -757,14 +764,14 @@ def test_insertion_decoding_is_read_against_the_baseline_decoded_without_its_con
         result["test"]["unconstrained"] = {"metrics": {"bleu": unconstrained}}
     results.append(_result("indigo-l2r-word-order", "word_order", "indigo", 1, 63.0))
     results[-1]["test"]["output_constraint"] = None
-    spread = zoo.seed_spread(results)
+    spread = zoo_statistics.seed_spread(results)
     assert spread[0]["bleu"]["mean"] == 69.0
     assert spread[0]["unconstrained_bleu"] == {"mean": 62.0, "sd": round(2 * 2 ** 0.5, 2), "min": 60.0, "max": 64.0}
-    [row] = zoo.against_baseline(results, spread)
+    [row] = zoo_statistics.against_baseline(results, spread)
     assert row["baseline_decoding"] == "unconstrained" and row["difference"] == 1.0
     # a method decoded under the same constraint as the baseline is read against its constrained score
     results[-1]["test"]["output_constraint"] = "permutation of the source words"
-    [row] = zoo.against_baseline(results, zoo.seed_spread(results))
+    [row] = zoo_statistics.against_baseline(results, zoo_statistics.seed_spread(results))
     assert row["baseline_decoding"] == "its own" and row["difference"] == -6.0
 
 
@@ -779,7 +786,7 @@ def test_indigo_orders_are_rendered_against_l2r_and_the_baseline(tmp_path):
         "  - {name: r2l, task: word_order, model_type: indigo, flags: [--order, r2l], claim: indigo}\n"
         "  - {name: l2r-translation, task: translation, model_type: indigo, flags: [--order, l2r], claim: indigo}\n"),
         header=RECIPE_HEADER + TRANSLATION_TASK)
-    recipes = zoo.load_recipes(path)
+    recipes = zoo_recipes.load_recipes(path)
     records = tmp_path / "records"
     records.mkdir()
     share = "insertions right of the previous word (left-to-right share)"
@@ -791,7 +798,7 @@ def test_indigo_orders_are_rendered_against_l2r_and_the_baseline(tmp_path):
             result["test"]["unconstrained"] = {"metrics": {"bleu": unconstrained}}
         (records / f"{recipe.name}.json").write_text(json.dumps(result))
     docs = tmp_path / "ZOO.md"
-    zoo.render(recipes, tmp_path / "runs", docs, records)
+    zoo_report.render(recipes, tmp_path / "runs", docs, records)
     text = docs.read_text()
     assert "### InDIGO on word_order: generation orders against L2R" in text
     # SAO against L2R trained on from the same model for as long; L2R trained on and R2L against L2R from scratch
@@ -818,7 +825,7 @@ def test_indigo_order_plot_draws_one_bar_per_order_with_its_seeds_together():
     indigo = [result("indigo-l2r-word-order", 54.32), result("indigo-sao-word-order", 51.83),
               result("indigo-l2r-continued-word-order", 54.62), result("indigo-l2r-word-order-s2", 54.68),
               result("indigo-sao-word-order-s2", 51.64), result("indigo-l2r-continued-word-order-s2", 54.54)]
-    assert zoo.indigo_order_bars(indigo, "word_order") == {
+    assert indigo_method.indigo_order_bars(indigo, "word_order") == {
         "l2r": [54.32, 54.68], "sao": [51.83, 51.64], "l2r-continued": [54.62, 54.54]}
 
 
@@ -833,13 +840,13 @@ def test_a_method_trained_on_from_a_baseline_is_read_against_the_baseline_traine
         "flags: [--learning_rate, '3e-4']}\n"
         "  - {name: half-on-slow, task: word_order, model_type: flexformer, updates: 3, init_from: half, "
         "claim: mat-init, flags: [--learning_rate, '3e-4']}\n"))
-    recipes = zoo.load_recipes(path)
+    recipes = zoo_recipes.load_recipes(path)
     records = tmp_path / "records"
     records.mkdir()
     for recipe, bleu in zip(recipes, (40.0, 39.0, 42.5, 41.0)):
         (records / f"{recipe.name}.json").write_text(json.dumps(_rendered_result(recipe, bleu, {}, 1_000)))
     docs = tmp_path / "ZOO.md"
-    zoo.render(recipes, tmp_path / "runs", docs, records)
+    zoo_report.render(recipes, tmp_path / "runs", docs, records)
     text = docs.read_text()
     rate = recipes[0].task_settings["learning_rate"]
     assert "### Methods trained on from a baseline's model, against the baseline trained on alike" in text
@@ -853,7 +860,7 @@ def test_a_method_trained_on_from_a_baseline_is_read_against_the_baseline_traine
 def test_the_case_verification_reuses_the_evaluations_hypotheses_only_for_the_same_sentences(tmp_path):
     rows = [{"source": s, "reference": "r", "hypothesis": h} for s, h in (("a b", "x"), ("c d", "y"))]
     (tmp_path / "generations.test.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    assert zoo.evaluated_hypotheses(tmp_path, ["a b", "c d"]) == ["x", "y"]
-    assert zoo.evaluated_hypotheses(tmp_path, ["a b", "c d", "e f"]) == ["x", "y"]  # the smoke mode's first ones
-    assert zoo.evaluated_hypotheses(tmp_path, ["c d", "a b"]) is None
-    assert zoo.evaluated_hypotheses(tmp_path / "missing", ["a b"]) is None
+    assert zoo_runner.evaluated_hypotheses(tmp_path, ["a b", "c d"]) == ["x", "y"]
+    assert zoo_runner.evaluated_hypotheses(tmp_path, ["a b", "c d", "e f"]) == ["x", "y"]  # the smoke mode's first ones
+    assert zoo_runner.evaluated_hypotheses(tmp_path, ["c d", "a b"]) is None
+    assert zoo_runner.evaluated_hypotheses(tmp_path / "missing", ["a b"]) is None

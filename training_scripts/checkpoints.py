@@ -587,13 +587,6 @@ def _replace_directory(source: str, target: str, run_id: str | None = None) -> N
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def with_atomic_checkpoints(trainer_class: type) -> type:
-    """``trainer_class`` with :class:`AtomicCheckpointMixin` in front (unchanged when it already has it)."""
-    if issubclass(trainer_class, AtomicCheckpointMixin):
-        return trainer_class
-    return type(trainer_class.__name__, (AtomicCheckpointMixin, trainer_class), {"__module__": trainer_class.__module__})
-
-
 __all__ = [
     "AtomicCheckpointMixin",
     "checkpoint_problem",
@@ -613,6 +606,5 @@ __all__ = [
     "training_state_problem",
     "unlock_output_dir",
     "weights_problem",
-    "with_atomic_checkpoints",
     "write_run_record",
 ]

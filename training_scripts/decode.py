@@ -237,18 +237,10 @@ def score_within_training_lengths(generations_file: str | Path, model_dir: str |
                             [row["hypothesis"] for row in kept], is_code=data_args.is_code)
 
 
-@torch.inference_mode()
-def generate_texts(
-    model, source_tokenizer, target_tokenizer, sources: list[str], num_beams: int = 5, length_penalty: float = 1.0,
-    max_new_tokens: int = 256, batch_size: int = 32, progress: bool = True, permutation_of_source: bool = False,
-) -> tuple[list[str], dict]:
-    """Hypotheses for ``sources`` (in input order) and throughput statistics of the ``generate`` calls.
-
-    Sentences are batched by length (less padding); sources are truncated to the model's
-    ``max_source_positions``, with a warning naming each input that was cut. With ``permutation_of_source``, each
-    output is a permutation of its source's words (:mod:`~flexformers.training_scripts.permutation_decoding`)."""
-    from tqdm.auto import tqdm
-
+def encode_in_length_batches(model, source_tokenizer, sources: list[str],
+                             batch_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The token ids of ``sources``, cut to the model's ``max_source_positions`` (a warning names each input that
+    was cut), and batches of indices into ``sources`` of similar lengths, longest first (less padding)."""
     max_source = getattr(model.config, "max_source_positions", 1024)
     encoded = source_tokenizer(sources, add_special_tokens=True)["input_ids"]
     too_long = [index for index, ids in enumerate(encoded) if len(ids) > max_source]
@@ -263,11 +255,26 @@ def generate_texts(
         for index, ids in zip(too_long, truncated):
             encoded[index] = ids
     order = sorted(range(len(sources)), key=lambda i: len(encoded[i]), reverse=True)
+    return encoded, [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+
+
+@torch.inference_mode()
+def generate_texts(
+    model, source_tokenizer, target_tokenizer, sources: list[str], num_beams: int = 5, length_penalty: float = 1.0,
+    max_new_tokens: int = 256, batch_size: int = 32, progress: bool = True, permutation_of_source: bool = False,
+) -> tuple[list[str], dict]:
+    """Hypotheses for ``sources`` (in input order) and throughput statistics of the ``generate`` calls.
+
+    Sentences are batched by length (less padding); sources are truncated to the model's
+    ``max_source_positions``, with a warning naming each input that was cut. With ``permutation_of_source``, each
+    output is a permutation of its source's words (:mod:`~flexformers.training_scripts.permutation_decoding`)."""
+    from tqdm.auto import tqdm
+
+    encoded, batches = encode_in_length_batches(model, source_tokenizer, sources, batch_size)
     hypotheses: list[str | None] = [None] * len(sources)
     generated_tokens = 0
     seconds = 0.0
     device = next(model.parameters()).device
-    batches = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
     for batch in tqdm(batches, desc="Decoding", disable=not progress):
         padded = source_tokenizer.pad({"input_ids": [encoded[i] for i in batch]}, return_tensors="pt")
         extra = {}

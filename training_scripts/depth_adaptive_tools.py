@@ -73,9 +73,9 @@ def decode_with_exits(
     batch_size: int = 32, with_probabilities: bool = False,
 ) -> ExitDecodeResult:
     """Generate for ``sources`` (input order kept, batches sorted by length) and collect every token's exit."""
-    max_source = getattr(model.config, "max_source_positions", 1024)
-    encoded = source_tokenizer(sources, add_special_tokens=True, truncation=True, max_length=max_source)["input_ids"]
-    order = sorted(range(len(sources)), key=lambda i: len(encoded[i]), reverse=True)
+    from flexformers.training_scripts.decode import encode_in_length_batches
+
+    encoded, batches = encode_in_length_batches(model, source_tokenizer, sources, batch_size)
     hypotheses: list = [None] * len(sources)
     exits: list = [None] * len(sources)
     token_ids: list = [None] * len(sources)
@@ -83,8 +83,7 @@ def decode_with_exits(
     special = set(target_tokenizer.all_special_ids)
     device = next(model.parameters()).device
     seconds = 0.0
-    for start in range(0, len(order), batch_size):
-        batch = order[start : start + batch_size]
+    for batch in batches:
         padded = source_tokenizer.pad({"input_ids": [encoded[i] for i in batch]}, return_tensors="pt")
         began = time.perf_counter()
         output = model.generate(

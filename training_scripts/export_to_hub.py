@@ -241,8 +241,10 @@ def export_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.PathLi
             f"evaluation), or pass --allow_missing_eval_results"
         )
     config, model, source_tokenizer, target_tokenizer = _load_checkpoint(checkpoint, classes)
-    remote_code = collect_remote_code(classes.root_files())
-    auto_map = classes.auto_map()
+    # a method registered from outside the package keeps its code in its own module: the folder then loads after
+    # that module is imported (it registers the Auto classes), as a model of any third-party package does
+    remote_code = collect_remote_code(classes.root_files()) if classes.in_package else {}
+    auto_map = classes.auto_map() if classes.in_package else {}
     generation_config = build_generation_config(model, eval_results, options.generation_overrides)
 
     from flexformers.training_scripts.tokenizer import SOURCE_TOKENIZER_SUBDIR, save_tokenizers
@@ -256,7 +258,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.PathLi
         model.save_pretrained(str(staging), safe_serialization=True)
         config_path = staging / "config.json"
         saved_config = read_json_file(config_path, "config")
-        saved_config["auto_map"] = auto_map
+        if auto_map:
+            saved_config["auto_map"] = auto_map
         config_path.write_text(json.dumps(saved_config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         generation_config.save_pretrained(str(staging))
         save_tokenizers(staging, source_tokenizer, target_tokenizer)
@@ -267,7 +270,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.PathLi
             if (staging / name).exists():
                 raise ExportError(f"remote code file {name} clashes with a file the checkpoint writes")
             (staging / name).write_text(source, encoding="utf-8")
-        check_flat_remote_code(staging, sorted({entry.split(".")[0] + ".py" for entry in auto_map.values()}))
+        if auto_map:
+            check_flat_remote_code(staging, sorted({entry.split(".")[0] + ".py" for entry in auto_map.values()}))
         card = render_model_card(
             model_type=classes.config_class.model_type,
             model_id=options.hub_model_id or output_dir.name,
@@ -281,6 +285,9 @@ def export_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.PathLi
             method_config=method_specific_config(saved_config),
             samples=read_generation_samples(checkpoint, eval_results["split"]) if eval_results else [],
             auto_map=auto_map,
+            plugin_module=None if classes.in_package else classes.plugin_module,
+            card_template=classes.card_template,
+            description=classes.description,
             language=options.language,
             license=options.license,
             datasets=options.datasets,

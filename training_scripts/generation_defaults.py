@@ -25,12 +25,3 @@ class GenerationDefaultsFreeSavesMixin:
         if generation_config is not None:
             unset_global_generation_defaults(generation_config)
         super()._save(output_dir, state_dict)
-
-
-def with_generation_defaults_free_saves(trainer_class: type) -> type:
-    """``trainer_class`` with :class:`GenerationDefaultsFreeSavesMixin` in front (unchanged when it already has it)."""
-    if issubclass(trainer_class, GenerationDefaultsFreeSavesMixin):
-        return trainer_class
-    return type(
-        trainer_class.__name__, (GenerationDefaultsFreeSavesMixin, trainer_class), {"__module__": trainer_class.__module__}
-    )

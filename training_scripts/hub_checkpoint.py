@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from flexformers.training_scripts.checkpoints import safetensors_problem
-from flexformers.training_scripts.hub_remote_code import ExportError
+from flexformers.training_scripts.hub_remote_code import PROJECT_CODE_PACKAGES, ExportError
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,8 @@ class RemoteClasses:
     config_class: type
     model_class: type
     base_model_class: type
+    card_template: Path | None = None
+    description: str = ""
 
     def source_file(self, cls: type) -> Path:
         path = inspect.getsourcefile(cls)
@@ -79,6 +81,20 @@ class RemoteClasses:
                 raise ExportError(f"{cls.__qualname__} must be a module-level class to be loaded as remote code")
             entries[auto_name] = f"{self.source_file(cls).stem}.{cls.__name__}"
         return entries
+
+    @property
+    def in_package(self) -> bool:
+        """Whether all the classes are flexformers' own (their code ships as remote code); False for a method
+        registered from outside the package, whose code is its own module's."""
+        package_root = Path(__file__).resolve().parent.parent
+        files = [self.source_file(cls) for cls in (self.model_class, self.config_class, self.base_model_class)]
+        return all(path.parent.parent == package_root and path.parent.name in PROJECT_CODE_PACKAGES for path in files)
+
+    @property
+    def plugin_module(self) -> str:
+        """The module that defines the config class (for a method outside the package: the import that registers
+        its classes with Transformers' Auto classes)."""
+        return self.config_class.__module__
 
     def root_files(self) -> list[Path]:
         files = []
@@ -109,7 +125,8 @@ def resolve_model_type(model_type: str) -> RemoteClasses:
         base_model_class = MODEL_MAPPING[spec.config_class]
     except (ImportError, KeyError):
         pass
-    return RemoteClasses(spec.config_class, spec.model_class, base_model_class)
+    template = None if spec.model_card_template is None else Path(spec.model_card_template)
+    return RemoteClasses(spec.config_class, spec.model_class, base_model_class, template, spec.description)
 
 
 def read_json_file(path: Path, what: str) -> Any:

@@ -196,8 +196,13 @@ def render_model_card(
     datasets: Sequence[str] | None = None,
     dataset_config: str | None = None,
     cards_dir: str | os.PathLike = DEFAULT_CARDS_DIR,
+    plugin_module: str | None = None,
+    card_template: str | os.PathLike | None = None,
+    description: str = "",
 ) -> str:
-    """Render ``hub_cards/<model_type>.md`` and check that the result parses as a model card with a valid
+    """Render ``hub_cards/<model_type>.md`` (or a method's own ``card_template``, which extends ``_base.md`` too;
+    a method from outside the package without one gets the generic ``_plugin.md`` from its ``description``;
+    ``plugin_module`` is the module that method's code lives in) and check that the result parses as a model card with a valid
     ``model-index`` (``ModelCard(..., ignore_metadata_errors=False)``). Pure: takes plain dicts.
 
     Templates put every value that comes from data through a filter: ``| code`` (an inline code span), ``| cell``
@@ -207,11 +212,20 @@ def render_model_card(
     from huggingface_hub import ModelCard
 
     cards_dir = Path(cards_dir)
+    search_path = [str(cards_dir)]
     template_name = f"{model_type}.md"
-    if not (cards_dir / template_name).is_file():
-        raise ExportError(f"no model card template {cards_dir / template_name} for model type {model_type!r}")
+    if card_template is not None:
+        card_template = Path(card_template)
+        if not card_template.is_file():
+            raise ExportError(f"the model card template {card_template} of model type {model_type!r} does not exist")
+        search_path.insert(0, str(card_template.parent))
+        template_name = card_template.name
+    elif not (cards_dir / template_name).is_file():
+        if plugin_module is None:
+            raise ExportError(f"no model card template {cards_dir / template_name} for model type {model_type!r}")
+        template_name = "_plugin.md"
     environment = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(cards_dir)),
+        loader=jinja2.FileSystemLoader(search_path),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         autoescape=False,
@@ -254,6 +268,8 @@ def render_model_card(
         training=training,
         num_parameters=num_parameters,
         auto_map=auto_map,
+        plugin_module=plugin_module,
+        description=description,
         source_tokenizer_subfolder=source_tokenizer_subfolder,
     )
     try:

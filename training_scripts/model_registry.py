@@ -2,8 +2,11 @@
 
 The contract
 ============
-Each model type ``<model_type>`` (the config's ``model_type``, e.g. ``"flexformer"``, ``"iot"``) has a module
-``training_scripts/methods/<model_type>.py`` that defines one module-level object::
+Each model type ``<model_type>`` (the config's ``model_type``, e.g. ``"flexformer"``, ``"iot"``) has one
+``MethodSpec``. The package's own methods define it as ``SPEC`` in ``training_scripts/methods/<model_type>.py``; a
+method defined anywhere else plugs in without touching the package, either by :func:`register_method` in the
+process that runs the tools (``train.main(argv)``, a notebook, a test) or, for a package of its own, by an entry
+point in the group ``flexformers.methods`` (``<model_type> = "my_package.my_module:SPEC"``)::
 
     SPEC = MethodSpec(
         model_type="iot",
@@ -13,11 +16,14 @@ Each model type ``<model_type>`` (the config's ``model_type``, e.g. ``"flexforme
         build_model=build_iot_model,                  # optional hooks, see below
         data_collator=make_iot_collator,
         callbacks=make_iot_callbacks,
-        trainer_class=None,                           # optional Seq2SeqTrainer subclass
+        trainer_class=IOTSeq2SeqTrainer,             # optional FlexformersSeq2SeqTrainer subclass
+        figures=iot_figures,                          # optional: what the method does at inference
     )
 
 ``flexformers-train --model_type iot ...`` calls :func:`get_method_spec`, which imports that module lazily
-(so a method that is slow to import or broken never affects the others) and returns ``SPEC``.
+(so a method that is slow to import or broken never affects the others) and returns ``SPEC``. The model's config
+and model classes must be registered with ``AutoConfig`` / ``AutoModelForSeq2SeqLM`` (the tools load trained models
+through them).
 
 What the train script does with it, in order:
 
@@ -41,8 +47,32 @@ What the train script does with it, in order:
    (``predict_with_generate`` and the metrics use them) and may add any extra tensors the model's
    ``forward`` accepts.
 5. ``callbacks = spec.callbacks(method_args)`` (a list of ``TrainerCallback``; e.g. a temperature or
-   drop-rate schedule) and ``trainer_class = spec.trainer_class or Seq2SeqTrainer``; a custom trainer class
-   must accept the same constructor arguments as ``Seq2SeqTrainer``.
+   drop-rate schedule) and ``trainer_class = spec.trainer_class or FlexformersSeq2SeqTrainer``; a method's own
+   trainer subclasses :class:`~flexformers.training_scripts.trainer.FlexformersSeq2SeqTrainer`.
+
+What the other tools ask a spec (each optional, with the plain Transformer's answer as default):
+
+- ``decodes_left_to_right`` (True): prefix constraints such as ``--permutation_of_source`` apply to its decoding.
+- ``figures(model, source_tokenizer, target_tokenizer, sources, limit) -> dict``: what the method does at inference
+  on the first ``limit`` sources (IOT's order usage, the exits of Depth-Adaptive), in the quickstart's and the zoo's
+  reports.
+- ``zoo_analysis(recipe, output_dir, test_sources, smoke, test_hypotheses) -> dict``: the zoo's further figures of a
+  trained recipe (IOT's case verification, Depth-Adaptive's threshold sweep), merged into its ``figures``.
+- ``zoo_report(results, spread, plots_dir) -> (lines, plots)``: the method's own sections of ``docs/ZOO.md`` and
+  its plots (``[(title, path)]``), from the finished results of every type.
+- ``zoo_figures_text(figures) -> list[str]``: the zoo table's cell of the method's figures (default: each as
+  ``name: value``), leaving out the tables its ``zoo_report`` renders.
+- ``zoo_start_flags(initial_dir) -> list[str]``: the ``flexformers-train`` flags of a recipe that starts from another
+  recipe's model (``init_from``), when the method builds its own architecture from it (MAT's proximal
+  initialisation); the recipe's preset then applies too. Default: ``--model_name_or_path initial_dir``.
+- ``missing_requirement(flags) -> str | None``: why a recipe with these flags cannot train on this machine (an
+  optional dependency not installed), else None.
+- ``model_card_template``: the path of the Jinja template of its exported model card, extending ``_base.md`` as the
+  package's ``hub_cards/<model_type>.md`` do (default: that file, or for a method outside the package a generic
+  card from its ``description``).
+- ``is_baseline`` (False): the plain Transformer, which the zoo reads every method against.
+- ``compares_own_starts`` (False): the method's ``zoo_report`` reads its recipes trained on from another model
+  itself, so the zoo's common section of those leaves them out (InDIGO's orders against its L2R run).
 
 The model computes its own loss from ``labels`` (label smoothing via ``config.label_smoothing``; Trainer's
 ``label_smoothing_factor`` stays 0) and must accept ``num_items_in_batch`` for exact gradient accumulation.
@@ -57,10 +87,14 @@ Special token ids every pipeline tokenizer uses: ``<s>``=0, ``<pad>``=1, ``</s>`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import importlib.util
 import logging
+import os
 import pkgutil
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -83,6 +117,17 @@ class MethodSpec:
     trainer_class: type | None = None
     update_config: Callable[..., Any] | None = None
     description: str = ""
+    name: str = ""
+    decodes_left_to_right: bool = True
+    is_baseline: bool = False
+    compares_own_starts: bool = False
+    figures: Callable[..., dict] | None = None
+    zoo_analysis: Callable[..., dict] | None = None
+    zoo_report: Callable[..., tuple] | None = None
+    zoo_figures_text: Callable[[dict], list[str]] | None = None
+    zoo_start_flags: Callable[[str], list[str]] | None = None
+    missing_requirement: Callable[..., str | None] | None = None
+    model_card_template: str | os.PathLike | None = None
 
     def __post_init__(self):
         if not _MODEL_TYPE_PATTERN.match(self.model_type):
@@ -92,7 +137,10 @@ class MethodSpec:
                 f"MethodSpec.arguments_class for {self.model_type!r} must be a dataclass "
                 f"(HfArgumentParser parses it), got {self.arguments_class!r}"
             )
-        for hook_name in ("build_model", "data_collator", "callbacks", "update_config"):
+        if not self.name:
+            object.__setattr__(self, "name", self.model_type)  # frozen: the display name defaults to the type
+        for hook_name in ("build_model", "data_collator", "callbacks", "update_config", "figures", "zoo_analysis",
+                          "zoo_report", "zoo_figures_text", "zoo_start_flags", "missing_requirement"):
             hook = getattr(self, hook_name)
             if hook is not None and not callable(hook):
                 raise ValueError(f"MethodSpec.{hook_name} for {self.model_type!r} must be callable, got {hook!r}")
@@ -170,15 +218,62 @@ def default_data_collator(tokenizer, model, method_args=None):
     return DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100, pad_to_multiple_of=8)
 
 
+#: Methods registered in this process by :func:`register_method`.
+_REGISTERED: dict[str, MethodSpec] = {}
+ENTRY_POINT_GROUP = "flexformers.methods"
+
+
+def register_method(spec: MethodSpec) -> MethodSpec:
+    """Make ``spec``'s model type known to every tool run in this process (``flexformers-train``, ``-decode``,
+    ``-quickstart``, ``-zoo``, ``-export``), as the package's own methods are. Registering a type that the package
+    or an entry point already defines is a ``ValueError``; registering the same type again replaces the process's
+    earlier registration (a notebook cell run twice)."""
+    if not isinstance(spec, MethodSpec):
+        raise ValueError(f"register_method needs a MethodSpec, got {spec!r}")
+    if spec.model_type not in _REGISTERED and spec.model_type in available_model_types():
+        raise ValueError(f"model type {spec.model_type!r} is already defined (by flexformers or an installed "
+                         "package's entry point); choose another model_type")
+    _REGISTERED[spec.model_type] = spec
+    return spec
+
+
+def unregister_method(model_type: str) -> None:
+    """Forget a type that :func:`register_method` registered (nothing for any other type)."""
+    _REGISTERED.pop(model_type, None)
+
+
+def _entry_points() -> dict:
+    return _entry_points_on(tuple(sys.path))
+
+
+@functools.lru_cache(maxsize=8)
+def _entry_points_on(search_path: tuple[str, ...]) -> dict:
+    # scanning the installed distributions takes tens of milliseconds and the report asks for specs many times; the
+    # installed set changes only with the search path (a test prepends one)
+    from importlib.metadata import entry_points
+
+    return {entry.name: entry for entry in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _is_own_method(model_type: str) -> bool:
+    """Whether the package has a ``training_scripts/methods/<model_type>`` module (imported or not)."""
+    name = f"flexformers.training_scripts.methods.{model_type}"
+    return name in sys.modules or importlib.util.find_spec(name) is not None
+
+
 def available_model_types() -> list[str]:
-    """Model types that have a module in ``training_scripts/methods`` (not imported)."""
+    """Every known model type: the package's ``training_scripts/methods`` modules, installed packages' entry points
+    (group ``flexformers.methods``) and this process's :func:`register_method` calls. Nothing is imported."""
     from flexformers.training_scripts import methods
 
-    return sorted(info.name for info in pkgutil.iter_modules(methods.__path__) if not info.name.startswith("_"))
+    own = {info.name for info in pkgutil.iter_modules(methods.__path__) if not info.name.startswith("_")}
+    return sorted(own | set(_entry_points()) | set(_REGISTERED))
 
 
 def get_method_spec(model_type: str) -> MethodSpec:
-    """Import ``flexformers.training_scripts.methods.<model_type>`` and return its ``SPEC``.
+    """The ``MethodSpec`` of ``model_type``: registered in this process (:func:`register_method`), else the ``SPEC``
+    of ``flexformers.training_scripts.methods.<model_type>`` (imported lazily), else an installed package's entry
+    point in the group ``flexformers.methods``.
 
     Raises ``ValueError`` naming the available model types for an unknown type, and for a module that does not
     define a ``MethodSpec`` called ``SPEC`` (or one whose ``model_type`` disagrees with the file name).
@@ -188,9 +283,18 @@ def get_method_spec(model_type: str) -> MethodSpec:
         raise ValueError(
             f"--model_type {model_type!r} is not a valid model type name; available: {', '.join(available_model_types())}"
         )
-    known = available_model_types()
-    if model_type not in known:
-        raise ValueError(f"Unknown --model_type {model_type!r}; available: {', '.join(known) or '(none)'}")
+    if model_type in _REGISTERED:
+        return _REGISTERED[model_type]
+    if not _is_own_method(model_type):
+        entry = _entry_points().get(model_type)
+        if entry is None:
+            known = available_model_types()
+            raise ValueError(f"Unknown --model_type {model_type!r}; available: {', '.join(known) or '(none)'}")
+        spec = entry.load()
+        if not isinstance(spec, MethodSpec) or spec.model_type != model_type:
+            raise ValueError(f"the {ENTRY_POINT_GROUP} entry point {model_type!r} ({entry.value}) must name a "
+                             f"MethodSpec whose model_type is {model_type!r}, found {spec!r}")
+        return spec
     module = importlib.import_module(f"flexformers.training_scripts.methods.{model_type}")
     spec = getattr(module, "SPEC", None)
     if not isinstance(spec, MethodSpec):

@@ -134,30 +134,15 @@ class SourceWordPermutation:
 
 def uses_permutation_of_source(requested: bool | None, task: str, model_type: str) -> bool:
     """Whether outputs are constrained to permutations of the source words: ``requested`` if given, else on for
-    word-order recovery with a left-to-right decoder. InDIGO inserts tokens anywhere, so a prefix constraint does
-    not apply to it (asking for it there is a ``ValueError``)."""
-    insertion_based = model_type == "indigo"
+    word-order recovery with a decoder that writes left to right (its ``MethodSpec.decodes_left_to_right``). A
+    prefix constraint does not apply to one that does not (InDIGO inserts tokens anywhere): asking for it there is a
+    ``ValueError``."""
+    from flexformers.training_scripts.model_registry import get_method_spec
+
+    spec = get_method_spec(model_type)
     if requested is None:
-        return task == "word_order" and not insertion_based
-    if requested and insertion_based:
-        raise ValueError("--permutation_of_source constrains left-to-right decoding; an InDIGO model inserts tokens "
-                         "at any position, so it cannot be used with it")
+        return task == "word_order" and spec.decodes_left_to_right
+    if requested and not spec.decodes_left_to_right:
+        raise ValueError(f"--permutation_of_source constrains left-to-right decoding; {spec.name} ({model_type}) does "
+                         "not write its output left to right, so it cannot be used with it")
     return requested
-
-
-def with_permutation_constrained_evaluation(trainer_class: type, source_tokenizer) -> type:
-    """``trainer_class`` (a ``Seq2SeqTrainer``) whose ``predict_with_generate`` evaluation decodes each batch under
-    :class:`SourceWordPermutation`, so validation scores during training are measured as the test
-    set is by ``flexformers-decode``. The batch's sources are read back from its ``input_ids``."""
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
-        if self.args.predict_with_generate and not prediction_loss_only:
-            gen_kwargs = dict(gen_kwargs or getattr(self, "_gen_kwargs", {}))
-            sources = source_tokenizer.batch_decode(inputs["input_ids"], skip_special_tokens=True)
-            gen_kwargs["prefix_allowed_tokens_fn"] = SourceWordPermutation(
-                sources, self.processing_class, eos_token_id=model.config.eos_token_id)
-        return trainer_class.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys,
-                                             **gen_kwargs)
-
-    return type(trainer_class.__name__, (trainer_class,),
-                {"prediction_step": prediction_step, "__module__": trainer_class.__module__})

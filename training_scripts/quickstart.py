@@ -24,9 +24,11 @@ import json
 import os
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
+
+from flexformers.training_scripts.model_registry import available_model_types
+
 
 class ModelSize(NamedTuple):
     """A model size: the configuration preset, the overrides on top of it, and how the quickstart names it."""
@@ -88,7 +90,6 @@ TASKS = {
         "try_text": "Return the number of lines in the file.",
     },
 }
-MODEL_TYPES = ("flexformer", "iot", "mat", "indigo", "depth_adaptive")
 #: Validation examples decoded (greedy) at every curve point: the same fixed subset each time.
 CURVE_EVAL_SAMPLES = 300
 #: Wall time kept back from training for the final decoding and saving, per 1,000 test examples.
@@ -114,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output_dir", default=None,
                         help="where the checkpoint goes (default: runs/quickstart/<task>-<model_type>)")
     parser.add_argument("--task", choices=sorted(TASKS), default="word_order", help="(default: %(default)s)")
-    parser.add_argument("--model_type", choices=MODEL_TYPES, default="flexformer", help="(default: %(default)s)")
+    parser.add_argument("--model_type", choices=available_model_types(), default="flexformer",
+                        help="(default: %(default)s)")
     parser.add_argument("--minutes", type=float, default=10.0,
                         help="wall time of the whole run: corpus, training, evaluation, saving (default: %(default)s)")
     parser.add_argument("--max_steps", type=int, default=None, help="stop after this many updates instead")
@@ -211,51 +213,22 @@ def learning_curve(output_dir: str | os.PathLike, task_name: str) -> Path:
 
 
 def method_figures(model_type: str, output_dir: str, sources: list[str], limit: int = 200) -> dict:
-    """What the method does at inference on the first ``limit`` test sources: IOT's decoder-order usage,
-    Depth-Adaptive's average exit with confidence thresholds (and how many outputs that changes), InDIGO's share of
-    left-to-right insertions, MAT's branches."""
+    """What the method does at inference on the first ``limit`` test sources (its ``MethodSpec.figures``: IOT's
+    decoder-order usage, Depth-Adaptive's average exit with confidence thresholds, InDIGO's share of left-to-right
+    insertions, MAT's branches); empty for a method without figures (the baseline)."""
     import torch
 
     from flexformers.training_scripts.decode import load_model, resolve_device
+    from flexformers.training_scripts.model_registry import get_method_spec
 
-    if model_type == "flexformer":
+    spec = get_method_spec(model_type)
+    if spec.figures is None:
         return {}
     model, source_tokenizer, target_tokenizer = load_model(output_dir, resolve_device(None))
-    if model_type == "mat":
-        config = model.config
-        return {"attention branches (encoder/decoder)": f"{config.encoder_attention_branches}/"
-                f"{config.decoder_attention_branches}", "drop-branch rate": getattr(config, "drop_branch_rate", None)}
     batch = source_tokenizer(sources[:limit], return_tensors="pt", padding=True).to(model.device)
     # max_length=None: the saved generation config's (Trainer writes 20) would only warn beside max_new_tokens
-    lengths = {"max_new_tokens": 64, "max_length": None}
     with torch.no_grad():
-        if model_type == "iot":
-            _, decoder_codes = model.predict_orders(batch["input_ids"], batch["attention_mask"])
-            usage = Counter(decoder_codes.tolist())
-            return {"decoder order usage (paper code: share)": {code: round(count / len(decoder_codes), 3)
-                                                               for code, count in sorted(usage.items())}}
-        if model_type == "depth_adaptive":
-            # the test decoding runs the full depth; here each token leaves at the first block whose classifier is
-            # confident enough (the paper's confidence thresholds, 0.5 unless configured), greedy on both sides
-            full = model.generate(**batch, **lengths, num_beams=1, exit_strategy="full")
-            adaptive = model.generate(**batch, **lengths, num_beams=1, exit_strategy="confidence",
-                                      return_exits=True)
-            emitted = adaptive.exits[adaptive.exits > 0].float()
-            texts = [target_tokenizer.batch_decode(ids, skip_special_tokens=True) for ids in (full, adaptive.sequences)]
-            same = [a == b for a, b in zip(*texts)]
-            blocks = model.config.decoder_layers
-            return {f"confidence exit (thresholds {model.config.default_exit_thresholds}), average exit of {blocks} "
-                    f"blocks": round(emitted.mean().item(), 2),
-                    "confidence exit, outputs equal to the full depth's (greedy)": round(sum(same) / len(same), 3)}
-        if model_type == "indigo":
-            # insertion index 0 is <s>, 1 is </s>, k + 2 the k-th generated word: a left-to-right step inserts the
-            # k-th word right of word k - 1 (the first right of <s>)
-            trace = model.generate(**batch, **lengths, return_insertion_trace=True).insertion_trace
-            steps = [(k, step) for sentence in trace for k, step in enumerate(sentence)]
-            left_to_right = sum(1 for k, (_, anchor, side, _) in steps if side == "right" and anchor == (k + 1 if k else 0))
-            return {"insertions right of the previous word (left-to-right share)":
-                    round(left_to_right / max(len(steps), 1), 3)}
-    return {}
+        return spec.figures(model, batch, target_tokenizer, {"max_new_tokens": 64, "max_length": None})
 
 
 def run_from_argv(argv: list[str] | None = None) -> dict:

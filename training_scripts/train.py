@@ -26,8 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from transformers import HfArgumentParser, Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainerCallback, set_seed
+from transformers import HfArgumentParser, Seq2SeqTrainingArguments, TrainerCallback, set_seed
 
+from flexformers.configuration.configuration_flexformer import FlexformerConfig
 from flexformers.training_scripts.arguments import (
     DataArguments,
     ModelArguments,
@@ -44,25 +45,21 @@ from flexformers.training_scripts.checkpoints import (
     resolve_resume_checkpoint,
     resumed_config_problem,
     unlock_output_dir,
-    with_atomic_checkpoints,
     write_run_record,
 )
 from flexformers.training_scripts.cpu_heap import retain_freed_memory
 from flexformers.training_scripts.data import load_corpus
-from flexformers.training_scripts.generation_defaults import with_generation_defaults_free_saves
 from flexformers.training_scripts.metrics_utils import compute_generation_metrics, copy_baseline_metrics, gain_over_copy
 from flexformers.training_scripts.model_registry import MethodSpec, get_method_spec
-from flexformers.training_scripts.nonfinite import FiniteLossMixin, NonFiniteTrainingError
-from flexformers.training_scripts.permutation_decoding import (
-    uses_permutation_of_source,
-    with_permutation_constrained_evaluation,
-)
+from flexformers.training_scripts.nonfinite import NonFiniteTrainingError
+from flexformers.training_scripts.permutation_decoding import uses_permutation_of_source
 from flexformers.training_scripts.tokenizer import (
     SOURCE_TOKENIZER_SUBDIR,
     build_tokenizers,
     load_tokenizers,
     save_tokenizers,
 )
+from flexformers.training_scripts.trainer import FlexformersSeq2SeqTrainer
 
 logger = logging.getLogger("flexformers.train")
 
@@ -250,7 +247,7 @@ def checkpoint_config(spec: MethodSpec, checkpoint: str, overrides: dict):
     except json.JSONDecodeError as error:
         raise ValueError(f"{config_file} is not valid JSON ({error})") from error
     expected = spec.config_class.model_type
-    if saved.get("model_type") not in (expected, "flexformer"):
+    if saved.get("model_type") not in (expected, FlexformerConfig.model_type):
         raise ValueError(
             f"--model_name_or_path {checkpoint} holds a {saved.get('model_type')!r} model, but --model_type is "
             f"{expected!r}"
@@ -530,14 +527,15 @@ def check_config_fits_run(config, data_args: DataArguments, training_args, resum
             raise ValueError(problem)
 
 
-def training_trainer_class(trainer_class: type) -> type:
-    """The method's trainer class as the script runs it: checkpoints written atomically and training stopped at
-    the first non-finite loss or gradient norm, with generation configs saved free of the defaults evaluation fills in
-    (each mixin leaves a class that already has it unchanged)."""
-    trainer_class = with_generation_defaults_free_saves(with_atomic_checkpoints(trainer_class))
-    if issubclass(trainer_class, FiniteLossMixin):
-        return trainer_class
-    return type(trainer_class.__name__, (FiniteLossMixin, trainer_class), {"__module__": trainer_class.__module__})
+def method_trainer_class(spec: MethodSpec) -> type:
+    """The method's trainer: its own ``trainer_class`` (a :class:`FlexformersSeq2SeqTrainer` subclass, refused by
+    name otherwise: the run's checkpoints, saves and loss checks live there) or :class:`FlexformersSeq2SeqTrainer`."""
+    if spec.trainer_class is None:
+        return FlexformersSeq2SeqTrainer
+    if not (isinstance(spec.trainer_class, type) and issubclass(spec.trainer_class, FlexformersSeq2SeqTrainer)):
+        raise ValueError(f"the {spec.model_type} method's trainer_class {spec.trainer_class!r} must subclass "
+                         "flexformers.training_scripts.trainer.FlexformersSeq2SeqTrainer")
+    return spec.trainer_class
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -548,6 +546,7 @@ def run(spec, model_args, data_args, training_args, method_args, extra_callbacks
         format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO if training_args.should_log else logging.WARNING
     )
     transformers.utils.logging.set_verbosity_warning()
+    trainer_class = method_trainer_class(spec)  # refused before any work when it is not the project's trainer
     set_seed(training_args.seed)
     if model_args.retain_cpu_memory and training_args.do_train and training_args.device.type == "cpu":
         retain_freed_memory()
@@ -595,9 +594,7 @@ def run(spec, model_args, data_args, training_args, method_args, extra_callbacks
         callbacks.append(MaxTimeCallback(model_args.max_train_minutes))
     if model_args.max_train_minutes and not training_args.disable_tqdm:
         callbacks.append(TimeBudgetProgressCallback(model_args.max_train_minutes))
-    trainer_class = training_trainer_class(spec.trainer_class or Seq2SeqTrainer)
-    if uses_permutation_of_source(model_args.permutation_of_source, data_args.task, config.model_type):
-        trainer_class = with_permutation_constrained_evaluation(trainer_class, source_tokenizer)
+    permutation = uses_permutation_of_source(model_args.permutation_of_source, data_args.task, config.model_type)
     trainer = trainer_class(
         model=model,
         args=training_args,
@@ -610,6 +607,7 @@ def run(spec, model_args, data_args, training_args, method_args, extra_callbacks
             if training_args.predict_with_generate else None
         ),
         callbacks=callbacks,
+        permutation_source_tokenizer=source_tokenizer if permutation else None,
     )
 
     trainer.checkpoint_file_writers = [

@@ -12,5 +12,7 @@ SPEC = MethodSpec(
     model_type="flexformer",
     config_class=FlexformerConfig,
     model_class=FlexformerForConditionalGeneration,
+    name="Transformer",
+    is_baseline=True,
     description="fairseq Transformer baseline (post-norm, sinusoidal positions, label-smoothed loss in the model)",
 )

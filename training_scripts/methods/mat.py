@@ -82,11 +82,27 @@ def build_mat_model(model_args, method_args, config: MATConfig, tokenizer) -> MA
     return MATForConditionalGeneration(config)
 
 
+def mat_figures(model, batch, target_tokenizer, generate_kwargs) -> dict:
+    """MAT's branches (its decoding is the baseline's)."""
+    config = model.config
+    return {"attention branches (encoder/decoder)": f"{config.encoder_attention_branches}/"
+            f"{config.decoder_attention_branches}", "drop-branch rate": getattr(config, "drop_branch_rate", None)}
+
+
+def mat_zoo_start_flags(initial_dir: str) -> list[str]:
+    """A MAT recipe that starts from a baseline recipe's model is its proximal initialisation: the baseline's
+    weights copied into every branch of an architecture the recipe's preset builds, with the baseline's tokenizer."""
+    return ["--baseline_checkpoint", initial_dir, "--tokenizer_name_or_path", initial_dir]
+
+
 SPEC = MethodSpec(
     model_type="mat",
     config_class=MATConfig,
     model_class=MATForConditionalGeneration,
     arguments_class=MATArguments,
     build_model=build_mat_model,
+    name="MAT",
+    figures=mat_figures,
+    zoo_start_flags=mat_zoo_start_flags,
     description="Multi-branch Attentive Transformer (drop-branch, drop-head, proximal initialisation)",
 )
