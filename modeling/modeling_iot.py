@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, EncoderDecoderCache
 from transformers.generation.utils import (
     GenerateBeamEncoderDecoderOutput,
 )
@@ -164,9 +164,14 @@ def _reorder_rows(value, sentence_positions: torch.Tensor, batch_size: int):
         return tuple(_reorder_rows(item, sentence_positions, batch_size) for item in value)
     if isinstance(value, list):
         return [_reorder_rows(item, sentence_positions, batch_size) for item in value]
+    if isinstance(value, EncoderDecoderCache):
+        # each part by its own row count: a beam search's SourceGroupedCache keeps one cross-attention row per
+        # sentence, and its reorder_cache (which only ever moves beams within a sentence) leaves that part alone
+        for part in (value.self_attention_cache, value.cross_attention_cache):
+            _reorder_rows(part, sentence_positions, batch_size)
+        return value
     if isinstance(value, Cache) and hasattr(value, "reorder_cache"):
-        self_cache = getattr(value, "self_attention_cache", value)
-        layers = getattr(self_cache, "layers", [])
+        layers = getattr(value, "layers", [])
         if layers and getattr(layers[0], "keys", None) is not None and layers[0].keys.shape[0] % batch_size == 0:
             per_sentence = layers[0].keys.shape[0] // batch_size
             device = layers[0].keys.device

@@ -56,6 +56,7 @@ from .modeling_flexformer import (
     FlexformerFeedForward,
     FlexformerForConditionalGeneration,
     FlexformerModel,
+    _init_branch_biases,
 )
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -428,10 +429,20 @@ class _MATEncoderClassifierMixin:
             layer.output = MATEncoderFeedForwardOutput(config)
         self.post_init()
 
+    def initialize_weights(self):
+        super().initialize_weights()
+        # The encoder is a PreTrainedModel of its own: Transformers initialises the modules under it with the
+        # encoder's `_init_weights`, which does not know the per-branch merge biases (a checkpoint without them
+        # would leave `torch.empty` memory there).
+        for module in self.base_model.modules():
+            if isinstance(module, MATEncoderAttentionOutput):
+                self._init_weights(module)
+
     def _init_weights(self, module):
         super()._init_weights(module)
-        if isinstance(module, MATEncoderAttentionOutput) and module.dense_branch_bias is not None:
-            nn.init.zeros_(module.dense_branch_bias)  # `dense` itself is a Linear: the encoder's own initialisation
+        if isinstance(module, MATEncoderAttentionOutput):
+            # kept when loaded from a checkpoint; `dense` itself is a Linear: the encoder's own initialisation
+            _init_branch_biases(module.dense_branch_bias)
 
     @classmethod
     def from_encoder(cls, encoder, **mat_overrides):

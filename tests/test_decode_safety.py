@@ -517,8 +517,6 @@ def test_an_unwritable_output_location_says_which_option_avoids_it(run_elsewhere
                      "--write_eval_results", "false", *DECODE])
 
 
-@pytest.mark.xfail(strict=True, reason="a read-only model dir holding the default hypotheses file is refused with "
-                                       "only '--write_eval_results false', which then fails on the hypotheses")
 def test_a_read_only_model_dir_names_both_options_it_takes_to_decode(run_elsewhere, capsys, no_decoding, monkeypatch):
     run, _, _ = run_elsewhere
     read_only_folder(monkeypatch, run)
@@ -539,8 +537,6 @@ def test_decode_refuses_a_checkpoint_missing_a_weight_naming_the_option_that_all
     assert "OUTPUT:" in capsys.readouterr().out
 
 
-@pytest.mark.xfail(strict=True, reason="the method tools refuse a checkpoint missing a weight with decode's hint "
-                                       "'pass --allow_missing_weights', an option they do not have")
 @pytest.mark.parametrize("tool", sorted(TOOLS))
 def test_a_method_tool_refusing_a_missing_weight_names_no_option_it_lacks(tmp_path, capsys, tool):
     from flexformers.configuration import DepthAdaptiveConfig, InDIGOConfig, IOTConfig

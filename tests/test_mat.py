@@ -843,12 +843,8 @@ def test_proximal_initialisation_does_not_carry_the_checkpoints_architecture(bas
     "model_class",
     [
         MATForConditionalGeneration,
-        pytest.param(MATRobertaForSequenceClassification, marks=pytest.mark.xfail(strict=True, reason=(
-            "the classifier's per-branch merge biases sit under the encoder, a PreTrainedModel whose own "
-            "_init_weights Transformers applies to them and which does not know them: a checkpoint without them "
-            "leaves torch.empty memory (the mixin's _init_weights branch is never reached)"))),
-        pytest.param(MATBertForSequenceClassification, marks=pytest.mark.xfail(strict=True, reason=(
-            "as for RoBERTa: missing per-branch merge biases are never initialised"))),
+        MATRobertaForSequenceClassification,  # the biases sit under the encoder, a PreTrainedModel of its own
+        MATBertForSequenceClassification,
     ],
 )
 def test_merge_branch_biases_missing_from_a_checkpoint_start_at_zero(model_class, tmp_path):

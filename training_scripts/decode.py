@@ -117,8 +117,11 @@ def resolve_device(requested: str | None) -> str:
 
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu", bf16: bool = False,
-               allow_missing_weights: bool = False):
+               allow_missing_weights: bool = False,
+               allow_hint: str = "pass --allow_missing_weights to decode with them anyway"):
     """(model, source tokenizer, target tokenizer) from a directory written by ``flexformers-train``.
+    ``allow_hint`` ends the refusal of missing weights: how the calling tool loads them anyway (empty for a tool
+    without that option).
 
     A damaged directory -- ``config.json`` that is not JSON or names no model type, truncated or zero-filled
     weights, weights missing from (or foreign to) the model unless ``allow_missing_weights``, a separate-vocabulary
@@ -153,7 +156,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", bf16: 
     spec = get_method_spec(model_type)
     try:
         model = load_pretrained_checked(spec.model_class, model_dir, allow_missing_weights=allow_missing_weights,
-                                        allow_hint="pass --allow_missing_weights to decode with them anyway")
+                                        allow_hint=allow_hint)
     except WeightsNotLoadedError:
         raise
     except (OSError, RuntimeError, ValueError, TypeError) as error:
@@ -176,7 +179,7 @@ def load_method_model(model_dir: str | Path, model_class: type, tool: str, metho
     """:func:`load_model` for a method's own tool (``flexformers-iot-orders`` ...): a checkpoint whose model is not
     a ``model_class`` is a one-line ``ValueError`` ("flexformers-iot-orders needs an IOT model; runs/x holds a
     'mat' model"), not a traceback from deep inside the tool. ``method`` names the model for people ("an IOT")."""
-    model, source_tokenizer, target_tokenizer = load_model(model_dir, device, bf16)
+    model, source_tokenizer, target_tokenizer = load_model(model_dir, device, bf16, allow_hint="")
     if not isinstance(model, model_class):
         raise ValueError(f"{tool} needs {method} model; {model_dir} holds a {model.config.model_type!r} model")
     return model, source_tokenizer, target_tokenizer
@@ -402,7 +405,10 @@ def check_output_files(decode_args: DecodeArguments, data_args: DataArguments, o
     for directory, what in writes.items():
         problem = _directory_write_problem(directory)
         if problem is not None:
-            hint = "pass --write_eval_results false" if EVAL_RESULTS_FILE in what else "choose another --output_file"
+            # every file that cannot be written needs its own way round, or following the advice fails again
+            hint = " and ".join(remedy for needed, remedy in (
+                ("the hypotheses" in what, "choose another --output_file"),
+                (EVAL_RESULTS_FILE in what, "pass --write_eval_results false")) if needed)
             raise ValueError(f"{directory} cannot be written ({problem}): decoding writes {' and '.join(what)} there; "
                              f"{hint}")
 

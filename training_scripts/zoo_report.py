@@ -29,7 +29,8 @@ def figure_text(result: dict) -> str:
     """The table's "method figures" cell of a result: the method's figures (``MethodSpec.zoo_figures_text``, else
     each as ``name: value``), then what the test split shows beyond BLEU (parsing code, the unconstrained decoding,
     the pairs within the training lengths)."""
-    summarise = get_method_spec(result["recipe"]["model_type"]).zoo_figures_text
+    model_type = (result.get("recipe") or {}).get("model_type")
+    summarise = None if model_type is None else get_method_spec(model_type).zoo_figures_text
     parts = (plain_figure_parts if summarise is None else summarise)(result["figures"])
     pov = result["test"]["metrics"].get("pov")
     if pov is not None:
