@@ -78,7 +78,7 @@ def test_the_tools_decode_on_the_device_asked_for_else_on_a_gpu_when_there_is_on
 
     placed = []
 
-    def load_model(path, device, bf16):
+    def load_model(path, device, bf16, **options):
         placed.append(device)
         raise RuntimeError("loaded")
 
