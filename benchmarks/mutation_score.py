@@ -67,8 +67,10 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
             "modeling/cpu_kernels.py",
             "modeling/transformers_compat.py",
             "modeling/generation_hooks.py",
+            "modeling/output_recording.py",
         ],
-        ["tests/test_backbone.py", "tests/test_conformance.py", "tests/test_generate_options.py",
+        ["tests/test_backbone.py", "tests/test_backbone_seams.py", "tests/test_backbone_generation.py",
+         "tests/test_conformance.py", "tests/test_generate_options.py",
          "tests/test_output_capture.py", REFERENCES],
     ),
     # The metric modules under metrics/ are not here: `evaluate.load` runs a copy of each script from its own module
@@ -76,21 +78,23 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
     # checked against 50 hand-made breakages of them instead (docs/MUTATION.md).
     "losses": (["modeling/losses.py"], ["tests/test_backbone.py", REFERENCES]),
     "iot": (
-        ["modeling/modeling_iot.py", "modeling/iot_equations.py", "modeling/sublayer_order.py",
-         "modeling/iot_order_statistics.py"],
-        ["tests/test_iot.py", REFERENCES, RANDOM_PATHS],
+        ["modeling/modeling_iot.py", "modeling/iot_all_paths.py", "modeling/iot_generation.py",
+         "modeling/iot_equations.py", "modeling/sublayer_order.py", "modeling/iot_order_statistics.py"],
+        ["tests/test_iot.py", "tests/test_iot_edge_cases.py", REFERENCES, RANDOM_PATHS],
     ),
     "mat": (
         ["modeling/modeling_mat.py", "modeling/branch_merge.py"],
-        ["tests/test_mat.py", REFERENCES, RANDOM_PATHS],
+        ["tests/test_mat.py", "tests/test_mat_edge_cases.py", REFERENCES, RANDOM_PATHS],
     ),
     "indigo": (
-        ["modeling/modeling_indigo.py", "modeling/indigo_decoding.py", "modeling/indigo_insertion.py",
-         "modeling/indigo_search_state.py"],
+        ["modeling/modeling_indigo.py", "modeling/indigo_order_search.py", "modeling/indigo_decoding.py",
+         "modeling/indigo_insertion.py", "modeling/indigo_search_state.py"],
         ["tests/test_indigo.py", "tests/test_indigo_decoding.py", REFERENCES, RANDOM_PATHS],
     ),
     "depth_adaptive": (
-        ["modeling/modeling_depth_adaptive.py", "modeling/depth_adaptive_cache.py",
+        ["modeling/modeling_depth_adaptive.py", "modeling/depth_adaptive_training.py",
+         "modeling/depth_adaptive_generation.py", "modeling/depth_adaptive_halting.py",
+         "modeling/depth_adaptive_outputs.py", "modeling/depth_adaptive_cache.py",
          "modeling/depth_adaptive_decoder.py", "modeling/depth_adaptive_equations.py",
          "modeling/depth_adaptive_flops.py"],
         ["tests/test_depth_adaptive.py", "tests/test_depth_adaptive_equations.py", REFERENCES, RANDOM_PATHS],

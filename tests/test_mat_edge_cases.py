@@ -1,0 +1,438 @@
+"""MAT: checkpoints of the earlier merge layout, devices, the classifier's drop-head and the configs built from a
+baseline, at the boundaries the mutation runs (issue 65) found untested."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import (
+    BertConfig,
+    BertModel,
+    RobertaConfig,
+    RobertaModel,
+)
+
+import flexformers.modeling  # noqa: F401  (registers the Auto classes)
+from flexformers.configuration.configuration_flexformer import FlexformerConfig
+from flexformers.configuration.configuration_mat import MATConfig, MATRobertaConfig
+from flexformers.modeling import branch_merge
+from flexformers.modeling.modeling_flexformer import FlexformerForConditionalGeneration
+from flexformers.modeling.modeling_mat import (
+    MATAttention,
+    MATBertForSequenceClassification,
+    MATEncoderAttentionOutput,
+    MATFeedForward,
+    MATForConditionalGeneration,
+    MATRobertaForSequenceClassification,
+    drop_branch_keep_scales,
+    drop_head_keep_scales,
+    multi_branch_merge_weights,
+)
+from tests.test_mat import (  # noqa: F401  (fixtures)
+    ENCODER,
+    TINY,
+    _encoder_batch,
+    _init_standalone,
+    _one_thread,
+    _perturb_biases,
+    baseline_dir,
+    batch,
+    roberta_dir,
+)
+
+# ---- issue 65: mutation survivors (checkpoints of the earlier merge layout, devices, drop-head in the classifier) ----
+
+
+def _earlier_layout(state: dict[str, torch.Tensor], one_branch_merges: bool = True) -> dict[str, torch.Tensor]:
+    """`state` as flexformers 0.1.0 saved it: every merge bias `[B, out]` under `<name>.bias` (`[1, out]` for
+    one branch: every `out_proj` / `fc2` of the encoder-decoder; the classifier's other Linears never were merges),
+    written here from the layout's description, not with the code under test."""
+    earlier = {}
+    for key, tensor in state.items():
+        module_path, _, leaf = key.rpartition(".")
+        if one_branch_merges and leaf == "bias" and module_path.rpartition(".")[2] in ("out_proj", "fc2"):
+            earlier[key] = tensor.unsqueeze(0)
+        elif key.endswith("_branch_bias"):
+            earlier[key.removesuffix("_branch_bias") + ".bias"] = tensor
+        else:
+            earlier[key] = tensor
+    return earlier
+
+
+def test_upgrade_merge_bias_keys_maps_each_earlier_merge_bias_to_its_current_key():
+    shapes = {
+        "model.encoder.layers.0.self_attn.out_proj.bias": (1, 32),  # one branch: stays, squeezed
+        "model.encoder.layers.0.self_attn.out_proj.weight": (32, 32),
+        "model.decoder.layers.1.fc2.bias": (3, 32),  # three branches: moves to the branch bias
+        "roberta.encoder.layer.0.attention.output.dense.bias": (2, 32),
+        "model.encoder.layers.0.self_attn.q_proj.bias": (2, 32),  # not a merge: left alone whatever its shape
+        "model.encoder.layers.1.self_attn.out_proj.bias": (32,),  # already current
+    }
+    assert branch_merge.upgrade_merge_bias_keys(shapes) == {
+        "model.encoder.layers.0.self_attn.out_proj.bias": ("model.encoder.layers.0.self_attn.out_proj.bias", True),
+        "model.decoder.layers.1.fc2.bias": ("model.decoder.layers.1.fc2_branch_bias", False),
+        "roberta.encoder.layer.0.attention.output.dense.bias": (
+            "roberta.encoder.layer.0.attention.output.dense_branch_bias", False),
+    }
+    current = {"model.encoder.layers.1.self_attn.out_proj.bias": (32,), "lm_head.weight": (60, 32)}
+    assert branch_merge.upgrade_merge_bias_keys(current) == {}
+
+
+def test_upgrade_merge_biases_changes_only_the_merge_biases():
+    torch.manual_seed(20)
+    state = {
+        "a.out_proj.bias": torch.randn(1, 4),
+        "a.out_proj.weight": torch.randn(4, 8),
+        "b.fc2.bias": torch.randn(2, 4),
+        "b.fc1.weight": torch.randn(6, 4),
+        "b.fc1.bias": torch.randn(6),
+    }
+    upgraded = branch_merge.upgrade_merge_biases(state)
+    assert set(upgraded) == {"a.out_proj.bias", "a.out_proj.weight", "b.fc2_branch_bias", "b.fc1.weight", "b.fc1.bias"}
+    assert torch.equal(upgraded["a.out_proj.bias"], state["a.out_proj.bias"][0])
+    assert torch.equal(upgraded["b.fc2_branch_bias"], state["b.fc2.bias"])
+    for key in ("a.out_proj.weight", "b.fc1.weight", "b.fc1.bias"):
+        assert torch.equal(upgraded[key], state[key]), key
+
+
+def _mat_with_biases(seed: int) -> MATForConditionalGeneration:
+    torch.manual_seed(seed)
+    model = MATForConditionalGeneration(MATConfig(**TINY, encoder_attention_branches=2, decoder_ffn_branches=2)).eval()
+    _perturb_biases(model)
+    return model
+
+
+def test_a_state_dict_of_the_earlier_layout_loads_into_mat_modules(batch):
+    """The load hook (Trainer's resume, `load_state_dict` of an old file): one-branch and multi-branch merges."""
+    model = _mat_with_biases(21)
+    earlier = _earlier_layout(model.state_dict())
+    assert any(tensor.dim() == 2 and tensor.shape[0] == 1 for key, tensor in earlier.items() if key.endswith(".bias"))
+    fresh = _mat_with_biases(22)
+    fresh.load_state_dict(earlier)  # strict: no key left over or missing
+    with torch.no_grad():
+        assert torch.equal(fresh(**batch).logits, model(**batch).logits)
+    classifier = MATRobertaForSequenceClassification(MATRobertaConfig(**ENCODER, num_attention_branches=2)).eval()
+    _perturb_biases(classifier)
+    other = MATRobertaForSequenceClassification(MATRobertaConfig(**ENCODER, num_attention_branches=2)).eval()
+    other.load_state_dict(_earlier_layout(classifier.state_dict(), one_branch_merges=False))
+    input_ids, mask = _encoder_batch()
+    with torch.no_grad():
+        assert torch.equal(other(input_ids, attention_mask=mask).logits, classifier(input_ids, attention_mask=mask).logits)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_checkpoint_folder_of_the_earlier_layout_loads_through_an_upgraded_copy(sharded, batch, tmp_path, monkeypatch):
+    model = _mat_with_biases(23)
+    folder = tmp_path / "old"
+    model.save_pretrained(folder, **({"max_shard_size": "20KB"} if sharded else {}))
+    weight_files = sorted(folder.glob("*.safetensors"))
+    assert (len(weight_files) > 1) == sharded and (folder / "model.safetensors.index.json").is_file() == sharded
+    saved = {}  # what save_pretrained wrote (tied weights once)
+    for path in weight_files:
+        saved.update(load_file(path))
+        save_file(_earlier_layout(load_file(path)), path, metadata={"format": "pt"})
+    before = {path.name: path.read_bytes() for path in folder.iterdir()}
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # nothing may be written to the working directory either
+
+    assert branch_merge.old_layout_checkpoint_keys(str(folder))  # a folder named by a string
+    assert branch_merge.checkpoint_in_current_layout(str(tmp_path / "missing"), str(tmp_path)) == str(tmp_path / "missing")
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    upgraded = branch_merge.checkpoint_in_current_layout(str(folder), str(workspace))
+    assert upgraded == str(workspace)
+    assert (workspace / "config.json").is_symlink() and (workspace / "config.json").read_bytes() == before["config.json"]
+    upgraded_files = sorted(workspace.glob("*.safetensors"))
+    assert [path.name for path in upgraded_files] == [path.name for path in weight_files]
+    current = {}
+    for path in upgraded_files:
+        assert not path.is_symlink()
+        current.update({key: (path.name, tensor) for key, tensor in load_file(path).items()})
+    assert set(current) == set(saved)
+    for key, (_, tensor) in current.items():
+        assert torch.equal(tensor, saved[key]), key
+    if sharded:
+        index = json.loads((workspace / "model.safetensors.index.json").read_text())
+        assert index["weight_map"] == {key: file for key, (file, _) in current.items()}
+        assert index["metadata"] == json.loads(before["model.safetensors.index.json"])["metadata"]
+
+    loaded = MATForConditionalGeneration.from_pretrained(str(folder)).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(**batch).logits, model(**batch).logits)
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before  # the user's folder never written
+    assert list(elsewhere.iterdir()) == []
+
+    model.save_pretrained(tmp_path / "current")  # a current checkpoint is used where it is
+    assert branch_merge.checkpoint_in_current_layout(str(tmp_path / "current"), str(workspace)) == str(tmp_path / "current")
+
+
+def test_branch_and_head_factors_are_made_on_the_device_asked_for():
+    """`meta` stands in for an accelerator: a factor made on the default device instead would not multiply."""
+    for training, rate in ((False, 0.0), (True, 0.0), (True, 0.5)):
+        assert drop_branch_keep_scales(3, rate, training=training, device="meta").device.type == "meta"
+    assert drop_head_keep_scales(2, 4, 0.5, training=True, device="meta").device.type == "meta"
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_mat_layers_run_on_the_device_of_their_inputs(mode):
+    """The official merge always builds its weights, so every merge hook must put them on the inputs' device."""
+    config = MATConfig(**TINY, branch_merge="official", drop_branch_rate=0.3, drop_head_rate=0.3)
+    with torch.device("meta"):
+        attention = getattr(MATAttention(config, 32, 4, num_branches=2), mode)()
+        feed_forward = getattr(MATFeedForward(config, 32, 16, num_branches=2), mode)()
+        output = getattr(MATEncoderAttentionOutput(MATRobertaConfig(**ENCODER, branch_merge="official",
+                                                                    drop_branch_rate=0.3, drop_head_rate=0.3)), mode)()
+    x = torch.randn(2, 5, 32, device="meta")
+    assert attention(x)[0].device.type == "meta" and attention(x)[0].shape == x.shape
+    assert feed_forward(x).device.type == "meta" and feed_forward(x).shape == x.shape
+    assert output(torch.randn(2, 5, 64, device="meta"), x).device.type == "meta"
+
+
+def test_classifier_drop_head_matches_per_head_reference():
+    """Eq. 9-10 in the encoder-only classifier: head j of branch i scaled by I{U_ij >= ρ}/(1-ρ), then each
+    branch's own projection averaged (Eq. 4), computed here head by head and branch by branch."""
+    branches, heads, d = 2, ENCODER["num_attention_heads"], ENCODER["hidden_size"]
+    config = MATRobertaConfig(**ENCODER, num_attention_branches=branches, drop_branch_rate=0.0, drop_head_rate=0.5)
+    torch.manual_seed(24)
+    module = _init_standalone(MATEncoderAttentionOutput(config)).train()
+    hidden, residual = torch.randn(3, 5, branches * d), torch.randn(3, 5, d)
+    torch.manual_seed(98)
+    factors = drop_head_keep_scales(branches, heads, 0.5, training=True)
+    assert 0 < factors.count_nonzero() < branches * heads, "seed chosen so some heads drop"
+    torch.manual_seed(98)
+    with torch.no_grad():
+        output = module(hidden, residual)
+        head_dim = d // heads
+        merged = 0
+        for branch in range(branches):
+            columns = slice(branch * d, (branch + 1) * d)
+            scaled = torch.cat([hidden[..., branch * d + j * head_dim: branch * d + (j + 1) * head_dim]
+                                * factors[branch * heads + j] for j in range(heads)], -1)
+            merged = merged + (scaled @ module.dense.weight[:, columns].T + module.dense_branch_bias[branch]) / branches
+        reference = torch.nn.functional.layer_norm(merged + residual, (d,), module.LayerNorm.weight,
+                                                   module.LayerNorm.bias, config.layer_norm_eps)
+    torch.testing.assert_close(output, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("is_decoder", [False, True])
+def test_classifier_attends_like_its_encoder_without_a_mask(is_decoder):
+    """The stock layers build their self-attention with `is_causal=config.is_decoder`; the multi-branch ones must
+    too, or an unmasked call (every token real) would not be the encoder's function."""
+    torch.manual_seed(25)
+    base = RobertaModel(RobertaConfig(**ENCODER, is_decoder=is_decoder)).eval()
+    _perturb_biases(base)
+    model = MATRobertaForSequenceClassification.from_encoder(base, num_attention_branches=2).eval()
+    input_ids = torch.randint(3, ENCODER["vocab_size"], (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(model.roberta(input_ids).last_hidden_state, base(input_ids).last_hidden_state,
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_proximal_initialisation_starts_a_new_model_not_a_copy_of_the_checkpoint(baseline_dir, roberta_dir):
+    """The cloned model is not the checkpoint it came from: its config must not name that folder as its own."""
+    mat = MATForConditionalGeneration.from_baseline(baseline_dir, encoder_attention_branches=2)
+    assert mat.name_or_path == mat.config._name_or_path == ""
+    classifier = MATRobertaForSequenceClassification.from_encoder(roberta_dir, num_labels=2)
+    assert classifier.name_or_path == classifier.config._name_or_path == ""
+
+
+@pytest.mark.parametrize("model_class", [MATRobertaForSequenceClassification, MATBertForSequenceClassification])
+def test_a_classifier_built_from_its_config_starts_with_zero_branch_biases(model_class):
+    """Built from a config (not from an encoder), the per-branch merge biases start at zero like the stock bias,
+    not as whatever memory `torch.empty` held (which made the logits NaN)."""
+    torch.manual_seed(26)
+    model = model_class(model_class.config_class(**ENCODER, num_attention_branches=2)).eval()
+    for layer in model.base_model.encoder.layer:
+        assert torch.equal(layer.attention.output.dense_branch_bias, torch.zeros(2, ENCODER["hidden_size"]))
+    input_ids, mask = _encoder_batch()
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids, attention_mask=mask).logits).all()
+
+
+def test_a_multi_branch_model_built_under_a_device_context_has_every_weight_on_that_device():
+    """The multi-branch merge (`B * in` columns, per-branch biases) follows `with torch.device(...)` too, as
+    Transformers' meta-device loading and users' GPU builds need."""
+    with torch.device("meta"):
+        model = MATForConditionalGeneration(MATConfig(**TINY, encoder_attention_branches=2, decoder_attention_branches=3, encoder_ffn_branches=2))
+    elsewhere = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+                 if tensor.device.type != "meta"]
+    assert not elsewhere
+
+
+# Round 2 mutation survivors (issue 65)
+
+
+def _merge_reference(weight, biases, hidden, weights):
+    """Σ_b w_b (x_b W_bᵀ + c_b), branch by branch: branch b owns the weight's columns `b*in:(b+1)*in`."""
+    num_branches, width = hidden.shape[-2], hidden.shape[-1]
+    if weights is None:
+        weights = torch.full((num_branches,), 1.0 / num_branches)
+    total = 0
+    for branch in range(num_branches):
+        projected = hidden[..., branch, :] @ weight[:, branch * width:(branch + 1) * width].T + biases[branch]
+        w_b = weights[..., branch]
+        if weights.dim() == 2:  # one weight per batch row
+            w_b = w_b.view(-1, *([1] * (projected.dim() - 1)))
+        total = total + w_b * projected
+    return total
+
+
+@pytest.mark.parametrize("num_branches", [1, 3])
+@pytest.mark.parametrize("leading", [(4,), (4, 5)], ids=["rows", "rows-positions"])
+@pytest.mark.parametrize("weighting", ["average", "per-branch", "per-row"])
+def test_merge_branches_is_the_weighted_sum_of_each_branchs_projection(num_branches, leading, weighting):
+    """Eq. 4/6 (Eq. 8 for FFN branches): every weighting the callers pass (none, `[B]`, `[batch, B]`) on inputs with
+    and without a positions axis, against a branch-by-branch sum (batch 4 ≠ 5 positions, so a weight broadcast
+    over the wrong axis cannot line up by chance)."""
+    torch.manual_seed(30)
+    in_features, out_features = 6, 7
+    projection, branch_biases = branch_merge.merge_projection(num_branches, in_features, out_features)
+    with torch.no_grad():
+        projection.weight.normal_()
+        if branch_biases is None:
+            projection.bias.normal_()
+        else:
+            branch_biases.normal_()
+    biases = projection.bias[None] if branch_biases is None else branch_biases
+    hidden = torch.randn(*leading, num_branches, in_features)
+    weights = {"average": None, "per-branch": torch.rand(num_branches) + 0.5,
+               "per-row": torch.rand(leading[0], num_branches) + 0.5}[weighting]
+    with torch.no_grad():
+        merged = branch_merge.merge_branches(projection, branch_biases, hidden, weights)
+        expected = _merge_reference(projection.weight, biases, hidden, weights)
+    assert merged.shape == (*leading, out_features)
+    torch.testing.assert_close(merged, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_merge_weights_default_to_the_papers_average():
+    """Called without a mode (and with a config's default mode), the merge is the paper's 1/N (Eq. 4)."""
+    keep = torch.tensor([1.0, 0.0, 2.0, 1.0])
+    assert torch.equal(multi_branch_merge_weights(keep), keep / 4)
+    assert torch.equal(multi_branch_merge_weights(keep), multi_branch_merge_weights(keep, MATConfig().branch_merge))
+    assert torch.equal(multi_branch_merge_weights(keep), multi_branch_merge_weights(keep, MATRobertaConfig().branch_merge))
+
+
+@pytest.mark.parametrize("branch_merge_mode", ["paper", "official"])
+def test_every_drop_branch_layer_makes_its_factors_on_the_inputs_device(branch_merge_mode):
+    """`meta` stands in for an accelerator (built on it, run outside the device context): a drop-branch or
+    drop-head factor drawn on the default device would not multiply. Training mode with every rate on."""
+    rates = dict(branch_merge=branch_merge_mode, drop_branch_rate=0.3, drop_head_rate=0.3, ffn_drop_branch_rate=0.4)
+    config, encoder_config = MATConfig(**TINY, **rates), MATRobertaConfig(**ENCODER, **rates)
+    with torch.device("meta"):
+        modules = {
+            "attention": MATAttention(config, 32, 4, num_branches=2).train(),
+            "feed_forward": MATFeedForward(config, 32, 16, num_branches=2).train(),
+            "classifier_attention_output": MATEncoderAttentionOutput(encoder_config).train(),
+            "classifier_ffn_output": MATRobertaForSequenceClassification(encoder_config)
+            .roberta.encoder.layer[0].output.train(),
+        }
+    x = torch.randn(2, 5, 32, device="meta")
+    outputs = {
+        "attention": modules["attention"](x)[0],
+        "feed_forward": modules["feed_forward"](x),
+        "classifier_attention_output": modules["classifier_attention_output"](torch.randn(2, 5, 64, device="meta"), x),
+        "classifier_ffn_output": modules["classifier_ffn_output"](torch.randn(2, 5, 48, device="meta"), x),
+    }
+    for name, output in outputs.items():
+        assert output.device.type == "meta" and output.shape == x.shape, name
+
+
+def test_from_baseline_without_branch_overrides_has_mats_default_branch_counts(baseline_dir):
+    """The baseline's own branch counts (one everywhere) are not MAT's: without overrides the new model has the
+    MATConfig defaults, in its config and in the width of every attention's projections."""
+    mat = MATForConditionalGeneration.from_baseline(baseline_dir)
+    defaults = MATConfig()
+    d = TINY["encoder_embed_dim"]
+    expected = {name: getattr(defaults, name) for name in ("encoder_attention_branches", "decoder_attention_branches",
+                                                            "encoder_ffn_branches", "decoder_ffn_branches")}
+    assert {name: getattr(mat.config, name) for name in expected} == expected
+    assert expected["decoder_attention_branches"] > 1  # else this test could not tell the baseline's counts apart
+    for layer in mat.model.encoder.layers:
+        assert layer.self_attn.q_proj.weight.shape[0] == expected["encoder_attention_branches"] * d
+    for layer in mat.model.decoder.layers:
+        assert layer.self_attn.q_proj.weight.shape[0] == expected["decoder_attention_branches"] * d
+        assert layer.encoder_attn.q_proj.weight.shape[0] == expected["decoder_attention_branches"] * d
+
+
+def test_from_baseline_keeps_the_baselines_generation_config(tmp_path):
+    """Proximal initialisation clones the model the user trained, decoding settings included."""
+    torch.manual_seed(31)
+    baseline = FlexformerForConditionalGeneration(FlexformerConfig(**TINY))
+    baseline.generation_config.num_beams = 3
+    baseline.generation_config.max_length = 11
+    baseline.generation_config.length_penalty = 0.6
+    baseline.save_pretrained(tmp_path)
+    for source in (baseline, tmp_path):
+        mat = MATForConditionalGeneration.from_baseline(source, encoder_attention_branches=2)
+        settings = mat.generation_config
+        assert (settings.num_beams, settings.max_length, settings.length_penalty) == (3, 11, 0.6), source
+
+
+def test_proximal_initialisation_does_not_carry_the_checkpoints_architecture(baseline_dir, roberta_dir, tmp_path):
+    """The new model's config names its own architecture (or none yet), never the checkpoint's class: Transformers
+    and the Hub read `architectures` to pick the class to load."""
+    torch.manual_seed(32)
+    BertModel(BertConfig(**ENCODER)).save_pretrained(tmp_path / "bert")
+    models = [
+        (MATForConditionalGeneration.from_baseline(baseline_dir), baseline_dir, "FlexformerForConditionalGeneration"),
+        (MATRobertaForSequenceClassification.from_encoder(roberta_dir, num_labels=2), roberta_dir, "RobertaModel"),
+        (MATBertForSequenceClassification.from_encoder(tmp_path / "bert", num_labels=2), tmp_path / "bert", "BertModel"),
+    ]
+    for model, checkpoint, checkpoint_class in models:
+        assert json.loads((checkpoint / "config.json").read_text())["architectures"] == [checkpoint_class]
+        architectures = model.config.architectures
+        assert architectures in (None, [type(model).__name__]), (checkpoint_class, architectures)
+
+
+@pytest.mark.parametrize(
+    "model_class",
+    [
+        MATForConditionalGeneration,
+        MATRobertaForSequenceClassification,  # the biases sit under the encoder, a PreTrainedModel of its own
+        MATBertForSequenceClassification,
+    ],
+)
+def test_merge_branch_biases_missing_from_a_checkpoint_start_at_zero(model_class, tmp_path):
+    """A checkpoint without the per-branch merge biases (saved before they existed, or by hand) loads them at
+    their initial value, zero, like any other missing weight; not as uninitialised memory."""
+    torch.manual_seed(33)
+    if model_class is MATForConditionalGeneration:
+        model = model_class(MATConfig(**TINY, encoder_attention_branches=2, decoder_attention_branches=2))
+    else:
+        model = model_class(model_class.config_class(**ENCODER, num_attention_branches=2))
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    dropped = [key for key in weights if key.endswith("_branch_bias")]
+    assert dropped
+    save_file({k: v for k, v in weights.items() if k not in dropped}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    loaded = model_class.from_pretrained(tmp_path)
+    state = loaded.state_dict()
+    for key in dropped:
+        assert torch.equal(state[key], torch.zeros_like(state[key])), key
+    for key, tensor in weights.items():
+        if key not in dropped and key in state:
+            assert torch.equal(state[key], tensor), key  # what the checkpoint holds is loaded, not re-initialised
+
+
+def test_upgraded_weight_files_carry_the_safetensors_metadata_of_a_saved_checkpoint(tmp_path):
+    """The copies in the earlier layout's workspace are weight files like `save_pretrained` writes: same header
+    metadata (`format: pt`, which safetensors readers check)."""
+    from safetensors import safe_open
+
+    model = _mat_with_biases(34)
+    folder = tmp_path / "old"
+    model.save_pretrained(folder)
+    with safe_open(folder / "model.safetensors", framework="pt") as saved:
+        saved_metadata = saved.metadata()
+    save_file(_earlier_layout(load_file(folder / "model.safetensors")), folder / "model.safetensors",
+              metadata=saved_metadata)
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    assert branch_merge.checkpoint_in_current_layout(str(folder), str(workspace)) == str(workspace)
+    with safe_open(workspace / "model.safetensors", framework="pt") as upgraded:
+        assert upgraded.metadata() == saved_metadata == {"format": "pt"}
