@@ -543,3 +543,61 @@ def test_load_corpus_passes_the_translation_files_and_hub_options_on(tmp_path, _
     hub = load_corpus(DataArguments(task="hub", dataset_name=str(folder), source_column="en", target_column="de"))
     assert sorted((r["source"], r["target"]) for s in ("train", "validation") for r in hub[s]) == sorted(
         (f"cat {i}", f"Katze {i}") for i in range(10))
+
+
+# ---- issue 65, round 3: the held-out sample's (seed 2) survivors ----
+
+
+@pytest.mark.parametrize("split_name", ["valid", "dev"])
+def test_a_hub_corpus_whose_split_is_named_valid_or_dev_is_the_validation_split(monkeypatch, split_name):
+    """Hub datasets name their validation split "valid" or "dev" as often as "validation" (a dataset's own configs
+    decide, not the file names): both become the corpus' validation split, and the test split stays its own."""
+    import datasets
+
+    from flexformers.training_scripts.data import load_hub_corpus
+
+    def split(prefix, count):
+        return datasets.Dataset.from_dict({"source": [f"{prefix} {i}" for i in range(count)],
+                                           "target": [f"{prefix}-t {i}" for i in range(count)]})
+
+    raw = datasets.DatasetDict({"train": split("train", 6), split_name: split("held", 2), "test": split("test", 3)})
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config_name=None: raw)
+    corpus = load_hub_corpus("someone/corpus")
+    assert set(corpus) == {"train", "validation", "test"}
+    assert list(corpus["validation"]["source"]) == ["held 0", "held 1"]
+    assert list(corpus["test"]["source"]) == ["test 0", "test 1", "test 2"]
+
+
+@pytest.mark.parametrize("line, problem", [(b"a\tb\tc\n", "too many fields"), (b"a\n", "missing column")])
+def test_a_line_with_the_wrong_number_of_fields_is_named_by_its_line_number(tmp_path, line, problem):
+    """The error (and, when skipping, the report) names the offending line's number, not only the file."""
+    from flexformers.training_scripts.data import SkipReport
+
+    path = tmp_path / "pairs.tsv"
+    path.write_bytes(b"source\ttarget\nok\tgut\nfine\tfein\n" + line + b"last\tletzte\n")
+    with pytest.raises(ValueError, match=rf"pairs.tsv, line 4: {problem}"):
+        read_parallel_file(path)
+    report = SkipReport()
+    rows = read_parallel_file(path, skip_bad_lines=True, report=report)
+    assert [row["origin"] for row in rows] == ["pairs.tsv:2", "pairs.tsv:3", "pairs.tsv:5"]
+    assert report.examples == [f"{problem}: {path}:4"]
+
+
+def test_corpus_builders_report_duplicates_and_over_long_pairs_by_name(tmp_path, caplog):
+    """The skip report names why pairs were dropped, under the reasons the docs list: duplicates and the length cap
+    (gettext catalogs and code alike)."""
+    import logging
+
+    long_text = "word " * 30
+    mo = write_mo(tmp_path / "app.mo", {"Open file": "Datei öffnen", long_text: long_text, "Close": "Schließen"})
+    copy = write_mo(tmp_path / "copy.mo", {"Open file": "Datei öffnen", "Quit": "Beenden"})
+    with caplog.at_level(logging.WARNING):
+        build_gettext_corpus(catalog_files=[mo, copy], use_cache=False, max_chars=100)
+    assert "'over length cap': 1" in caplog.text and "'duplicate': 1" in caplog.text
+    caplog.clear()
+    body = "def f(x):\n    '''Double it.'''\n    return 2 * x\n"
+    (tmp_path / "a.py").write_text(body + "\n\n" + body.replace("f(x)", "g(x)").replace("2 * x", "x" * 300))
+    (tmp_path / "b.py").write_text(body)
+    with caplog.at_level(logging.WARNING):
+        build_codegen_corpus([tmp_path], use_cache=False, max_target_chars=100)
+    assert "'over length cap': 1" in caplog.text and "'duplicate': 1" in caplog.text

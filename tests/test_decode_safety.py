@@ -640,3 +640,31 @@ def test_rescoring_a_code_task_within_the_training_lengths_reports_pov(tmp_path,
     assert scores["metrics"]["pov"] == round(100 * sum(parses(h) for _, _, h in kept) / 3, 2) == 66.67
     assert scores["copy_baseline"]["pov"] == 0.0  # a docstring is no Python
     assert scores["gain_over_copy"]["pov"] == 66.67
+
+
+# ---- issue 65, round 3: the held-out sample's (seed 2) survivors ----
+
+
+def test_a_run_whose_files_have_saved_hashes_is_not_said_to_hold_relative_paths(run_elsewhere, caplog):
+    """The relative-paths warning is for runs saved before paths were stored absolute (no hashes); a current run
+    given a relative `--test_file` on the command line is not warned about its saved paths."""
+    run, _, _ = run_elsewhere
+    with caplog.at_level(logging.WARNING):
+        decode.run_from_argv(["--model_name_or_path", str(run), "--test_file", "test.tsv", *DECODE])
+    assert not [r for r in caplog.records if "relative paths" in r.getMessage()]
+
+
+def test_the_printed_report_names_every_metric_as_its_papers_do(capsys):
+    """BLEU, chrF, TER and the share of outputs that parse (PoV) are printed under their usual names, in the scores,
+    the copy baseline and the gains alike."""
+    scores = {"bleu": 6.58, "chrf": 17.36, "ter": 94.89, "pov": 74.43}
+    results = {"metrics": scores, "dataset": "codegen", "split": "test", "num_examples": 1, "num_beams": 4,
+               "length_penalty": 1.0, "copy_baseline": {**scores, "pov": 0.84},
+               "gain_over_copy": {"bleu": 5.83, "chrf": 3.83, "ter": 1.0, "pov": 73.59},
+               "sacrebleu_signature": "nrefs:1", "throughput": {"sentences_per_second": 1, "tokens_per_second": 2,
+                                                               "dtype": "float32", "device": "cpu", "batch_size": 1}}
+    decode.print_report(results, ["a docstring"], ["def f(): pass"], ["def f(): pass"], 0, "out.jsonl")
+    printed = capsys.readouterr().out
+    assert "BLEU 6.58  chrF 17.36  TER 94.89  PoV 74.43" in printed
+    assert "PoV 0.84" in printed and "PoV +73.59" in printed
+    assert "pov" not in printed

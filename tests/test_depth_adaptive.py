@@ -589,3 +589,23 @@ def test_bfloat16_generation_runs():
     with torch.no_grad():
         output = model.generate(source, max_new_tokens=5, num_beams=2, return_exits=True)
     assert output.sequences.dtype == torch.long and output.exits.max() <= 3
+
+
+# ---- issue 65, round 3: the held-out sample's (seed 2) survivors ----
+
+
+@pytest.mark.parametrize("exit_classifiers", ["independent", "shared"])
+def test_resize_token_embeddings_resizes_every_exit_classifier(exit_classifiers):
+    """C_1 … C_N all project onto the target vocabulary: `resize_token_embeddings` resizes each (independent ones
+    keep their trained rows), and every exit still produces logits of the new size."""
+    model = make_model(exit_classifiers=exit_classifiers)
+    before = [model.exit_classifier(block).weight.detach().clone() for block in (1, 2, 3)]
+    model.resize_token_embeddings(70)
+    for block, old in zip((1, 2, 3), before):
+        weight = model.exit_classifier(block).weight
+        assert weight.shape[0] == 70, block
+        torch.testing.assert_close(weight[:60], old)
+    source, target = make_batch()
+    with torch.no_grad():
+        out = model(input_ids=source, labels=target, return_exit_logits=True)
+    assert [logits.shape[-1] for logits in out.exit_logits] == [70, 70, 70]

@@ -491,3 +491,61 @@ def test_incremental_steps_report_the_blocks_states_and_weights_of_the_recomputa
                 totals = weights[:, :, 0].sum(-1)  # [b, heads]
                 torch.testing.assert_close(totals[ran], torch.ones_like(totals[ran]))
                 assert not weights[~ran].any(), (t, block)
+
+
+# ---- issue 65, round 3: the held-out sample's (seed 2) survivors ----
+
+
+def test_average_flops_of_a_single_token_is_that_tokens_flops():
+    """One hypothesis of one token (the smallest decoding there is) averages to its own FLOPs, as a longer one."""
+    assert average_flops_per_token(SHAPE, [[2]], [5], "token_geometric") == sequence_flops(SHAPE, [2], 5,
+                                                                                           "token_geometric")
+    with pytest.raises(ValueError, match="at least one generated token"):
+        average_flops_per_token(SHAPE, [[]], [5], "token_geometric")
+
+
+def test_rbf_kernel_is_computed_in_double_precision_then_cast():
+    """Eq. 15's κ in float64 matches the formula to double precision (a kernel built in float32 and cast up would
+    be off by ~1e-8)."""
+    sigma = 3.0
+    kernel = rbf_kernel(6, sigma, dtype=torch.float64)
+    expected = torch.tensor([[math.exp(-((i - j) ** 2) / sigma**2) for j in range(6)] for i in range(6)],
+                            dtype=torch.float64)
+    torch.testing.assert_close(kernel, expected, rtol=1e-13, atol=0)
+
+
+def test_copied_state_cache_refuses_a_positive_crop():
+    """`crop` takes the negative number of tokens to remove (Transformers' convention): +1 is refused, not read as
+    "keep one token"."""
+    cache = CopiedStateCache()
+    cache.record_copied_states(0, torch.ones(2, 1, 4))
+    for tokens in (1, 2):
+        with pytest.raises(ValueError, match="negative number of tokens"):
+            cache.crop(tokens)
+    cache.crop(0)  # removes nothing
+
+
+@pytest.mark.parametrize("normalize_before", [False, True])
+def test_layerwise_hidden_states_end_with_the_decoders_final_layer_norm(normalize_before):
+    """The block-by-block pass (what the exit losses run) returns the embeddings and every block's states, the last
+    through the pre-norm decoder's final LayerNorm, exactly as the backbone's decoder returns them."""
+    from flexformers.configuration.configuration_flexformer import FlexformerConfig
+    from flexformers.modeling.modeling_depth_adaptive import DepthAdaptiveForConditionalGeneration
+    from flexformers.modeling.modeling_flexformer import FlexformerForConditionalGeneration
+
+    sizes = dict(vocab_size=60, encoder_embed_dim=16, decoder_embed_dim=16, encoder_ffn_embed_dim=32,
+                 decoder_ffn_embed_dim=32, encoder_layers=1, decoder_layers=3, encoder_attention_heads=2,
+                 decoder_attention_heads=2, dropout=0.0, decoder_normalize_before=normalize_before)
+    torch.manual_seed(0)
+    model = DepthAdaptiveForConditionalGeneration(DepthAdaptiveConfig(**sizes)).eval()
+    baseline = FlexformerForConditionalGeneration(FlexformerConfig(**sizes)).eval()
+    baseline.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("exit_classifiers.")})
+    generator = torch.Generator().manual_seed(4)
+    source = torch.randint(4, 60, (2, 6), generator=generator)
+    target = torch.randint(4, 60, (2, 5), generator=generator)
+    with torch.no_grad():
+        ours = model(input_ids=source, labels=target, output_hidden_states=True)
+        theirs = baseline(input_ids=source, labels=target, output_hidden_states=True)
+    assert len(ours.decoder_hidden_states) == len(theirs.decoder_hidden_states) == 4
+    for index, (mine, reference) in enumerate(zip(ours.decoder_hidden_states, theirs.decoder_hidden_states)):
+        torch.testing.assert_close(mine, reference, msg=f"decoder hidden state {index}")

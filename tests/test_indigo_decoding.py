@@ -397,3 +397,42 @@ def test_sao_search_replayed_as_a_cuda_graph_finds_what_the_eager_search_finds()
             assert torch.equal(graphed[0], eager[0]), call
             torch.testing.assert_close(graphed[1], eager[1], atol=1e-4, rtol=1e-4)
     assert len(_CAPTURED_SEARCHES[model]) == 1
+
+
+# ---- issue 65, round 3: the held-out sample's (seed 2) survivors ----
+
+TRAINING_BATCH_KEYS = ("labels", "insertion_targets", "pointer_targets", "insertion_labels", "pointer_labels",
+                       "relative_positions", "target_ids", "target_lengths", "num_items_in_batch")
+
+
+@pytest.mark.parametrize("key", TRAINING_BATCH_KEYS)
+def test_generate_sets_aside_each_training_batch_key_even_alone(model, key):
+    """Any one key of a training batch marks the call as an evaluation step's: it and the teacher-forced decoder
+    inputs are set aside, whatever else the batch holds."""
+    alone = model.generate(SOURCE, max_new_tokens=3)
+    filler = torch.zeros(SOURCE.shape[0], 4, dtype=torch.long)
+    with_key = model.generate(SOURCE, max_new_tokens=3, decoder_input_ids=filler,
+                              decoder_attention_mask=torch.ones_like(filler), **{key: filler})
+    assert torch.equal(with_key, alone)
+
+
+@pytest.mark.parametrize("key", ["decoder_input_ids", "decoder_attention_mask"])
+def test_a_left_to_right_prefix_is_refused_outside_a_training_batch(model, key):
+    with pytest.raises(ValueError, match=f"InDIGO generate\\(\\): {key} cannot be used: insertion decoding"):
+        model.generate(SOURCE, max_new_tokens=3, **{key: torch.ones(SOURCE.shape[0], 2, dtype=torch.long)})
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_a_stopping_criterion_ends_insertion_decoding_for_every_sentence(model, num_beams):
+    """A criterion that flags every hypothesis once `<s> </s>` has two words inserted: greedy and beam search both
+    end there, every sentence with its best hypothesis of that length."""
+    from transformers.generation import StoppingCriteria, StoppingCriteriaList
+
+    class StopAtFourTokens(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 4, dtype=torch.bool)
+
+    output = model.generate(SOURCE, max_new_tokens=8, num_beams=num_beams, return_dict_in_generate=True,
+                            output_scores=True, stopping_criteria=StoppingCriteriaList([StopAtFourTokens()]))
+    assert output.sequences.shape == (SOURCE.shape[0], 4)
+    assert output.insertion_ids.shape[1] == 4

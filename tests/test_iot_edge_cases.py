@@ -549,3 +549,74 @@ def test_sentence_losses_ignore_the_given_ignore_index(epsilon):
     expected_smooth = (-log_probs.sum(-1) * kept).sum(-1) if epsilon > 0 else torch.zeros(3, dtype=torch.double)
     torch.testing.assert_close(nll.double(), expected_nll, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(smooth.double(), expected_smooth, atol=1e-4, rtol=1e-5)
+
+
+# ---- issue 65, round 3: the held-out sample's (seed 2) survivors ----
+
+
+def test_encoder_outputs_given_with_input_ids_choose_decoder_orders_under_the_callers_mask():
+    """With `encoder_outputs` given, the decoder predictor reads the caller's `attention_mask` (one that hides real
+    tokens too), not a mask rebuilt from `input_ids`' padding; its probabilities come back as when the model encodes
+    itself."""
+    model = tiny_iot(decoder_orders=[1, 2, 4, 6])
+    diverse_predictors(model)
+    model.eval()
+    input_ids, pad_mask, labels = batch()
+    callers_mask = pad_mask.clone()
+    callers_mask[:, 1:3] = 0  # the caller hides two real tokens of every row
+    decoder_input_ids = model.prepare_decoder_input_ids_from_labels(labels)
+    with torch.no_grad():
+        states = model.get_encoder()(input_ids=input_ids, attention_mask=callers_mask).last_hidden_state
+        given = model(input_ids=input_ids, attention_mask=callers_mask, encoder_outputs=(states,),
+                      decoder_input_ids=decoder_input_ids)
+        expected = torch.softmax(model.decoder_order_predictor(states, callers_mask), dim=-1)
+        padding_only = torch.softmax(model.decoder_order_predictor(states, pad_mask), dim=-1)
+    assert given.decoder_order_probs is not None
+    torch.testing.assert_close(given.decoder_order_probs, expected, atol=1e-6, rtol=0)
+    assert not torch.allclose(expected, padding_only, atol=1e-4)  # the two masks do choose differently
+    assert torch.equal(given.decoder_order_index, expected.argmax(-1))
+
+
+def test_an_inference_encoder_order_in_the_config_does_not_override_the_predictor():
+    """`inference_encoder_order` is the fixed order of the predictor-less "equal" mode; an IOT with an encoder
+    predictor still chooses each sentence's encoder order by Eq. 4 on the predictor's logits."""
+    model = tiny_iot(encoder_orders=[1, 2], decoder_orders=[1, 2], inference_encoder_order=2)
+    diverse_predictors(model, scale=60.0)
+    model.eval()
+    input_ids, mask, _ = batch(size=12)
+    with torch.no_grad():
+        encoded = model.encode_with_orders(input_ids, mask)
+        token_embeddings = model.get_encoder().embed_tokens(input_ids)
+        expected = model.encoder_order_predictor(token_embeddings, mask).argmax(-1)
+    assert torch.equal(encoded.encoder_order_index, expected)
+    assert len(set(expected.tolist())) > 1  # the batch mixes both orders, so the fixed code would differ
+
+
+def test_gumbel_confidences_normalise_over_the_orders_of_every_leading_axis():
+    """Eq. 1 / 2 on `[b, M, N]` logits (the decoder predictor's, one row per encoder order in training): a softmax
+    over the last axis, N orders, for every (sentence, encoder order) — checked against the formula."""
+    from flexformers.modeling.iot_equations import clamp_order_probs, gumbel_softmax_confidences
+
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 2, 3, generator=generator) * 3
+    noise = sample_gumbel(logits.shape, logits.device, generator)
+    confidences, probs = gumbel_softmax_confidences(logits, 2.0, 0.05, gumbel_noise=noise)
+    expected_probs = logits.exp() / logits.exp().sum(-1, keepdim=True)
+    torch.testing.assert_close(probs, expected_probs)
+    scores = (clamp_order_probs(expected_probs, 0.05).log() + noise) / 2.0
+    torch.testing.assert_close(confidences, scores.exp() / scores.exp().sum(-1, keepdim=True))
+    torch.testing.assert_close(confidences.sum(-1), torch.ones(4, 2))
+
+
+def test_a_training_forward_adds_no_statistic_that_was_not_there_from_the_start():
+    """The order statistics hold every key before the first step (a compiled step that accumulates into them must
+    meet the same dict each time), and logging empties them back to those keys."""
+    model = tiny_iot(encoder_orders=[1, 2], decoder_orders=[1, 2, 3]).train()
+    start = {name: value.shape for name, value in model._order_statistics.sums.items()}
+    input_ids, mask, labels = batch()
+    model(input_ids=input_ids, attention_mask=mask, labels=labels)
+    after_step = {name: value.shape for name, value in model._order_statistics.sums.items()}
+    assert after_step == start
+    logged = model.pop_order_statistics()
+    assert {"iot/tau_encoder", "iot/tau_decoder"} <= set(logged)
+    assert {name: value.shape for name, value in model._order_statistics.sums.items()} == start

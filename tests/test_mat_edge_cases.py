@@ -436,3 +436,95 @@ def test_upgraded_weight_files_carry_the_safetensors_metadata_of_a_saved_checkpo
     assert branch_merge.checkpoint_in_current_layout(str(folder), str(workspace)) == str(workspace)
     with safe_open(workspace / "model.safetensors", framework="pt") as upgraded:
         assert upgraded.metadata() == saved_metadata == {"format": "pt"}
+
+
+# ---- issue 65, round 3: the held-out sample's (seed 2) survivors ----
+
+
+def test_from_baseline_names_the_baseline_checkpoint_when_a_tensor_is_missing(baseline_dir, monkeypatch):
+    """A baseline model whose state lacks a tensor the MAT needs is refused with the checkpoint named."""
+    baseline = FlexformerForConditionalGeneration.from_pretrained(baseline_dir)
+    full_state = baseline.state_dict()
+    missing = next(name for name in full_state if name.endswith("fc1.weight"))
+    monkeypatch.setattr(baseline, "state_dict", lambda: {k: v for k, v in full_state.items() if k != missing})
+    with pytest.raises(ValueError, match=rf"^The baseline checkpoint has no tensor '{missing}'"):
+        MATForConditionalGeneration.from_baseline(baseline, encoder_attention_branches=2)
+
+
+def test_from_baseline_does_not_take_the_dtype_of_a_half_precision_baseline(baseline_dir):
+    """The MAT is built in the default dtype from a bf16 baseline, and its config says so: a config that kept the
+    baseline's dtype would make `from_pretrained(dtype="auto")` of the saved MAT load it in bf16."""
+    baseline = FlexformerForConditionalGeneration.from_pretrained(baseline_dir, dtype=torch.bfloat16)
+    assert baseline.config.dtype == torch.bfloat16
+    mat = MATForConditionalGeneration.from_baseline(baseline, encoder_attention_branches=2)
+    assert {p.dtype for p in mat.parameters()} == {torch.float32}
+    assert getattr(mat.config, "dtype", None) in (None, torch.float32, "float32")
+
+
+def test_from_encoder_with_a_new_label_set_replaces_the_encoders_labels_both_ways(roberta_dir):
+    """Passing only `id2label` (no `num_labels`) gives the classifier that label set and its size, and keeps none of
+    the pretrained encoder's label names (its `label2id` is left unset, as Transformers leaves it for `id2label`
+    alone, rather than the encoder's stale one)."""
+    labels = {0: "negative", 1: "neutral", 2: "positive"}
+    model = MATRobertaForSequenceClassification.from_encoder(roberta_dir, id2label=labels)
+    assert model.config.id2label == labels
+    assert model.config.label2id in (None, {name: index for index, name in labels.items()})
+    assert RobertaConfig.from_pretrained(roberta_dir).label2id  # the encoder did carry label names
+    assert model.config.num_labels == 3
+    assert model.classifier.out_proj.out_features == 3
+
+
+def test_from_encoder_with_num_labels_drops_the_encoders_label_names(roberta_dir, tmp_path):
+    """An encoder saved with its own label names: `num_labels=3` gives three generic labels, not the encoder's two
+    names with a count that disagrees with them."""
+    encoder = RobertaModel.from_pretrained(roberta_dir)
+    encoder.config.id2label = {0: "spam", 1: "ham"}
+    encoder.config.label2id = {"spam": 0, "ham": 1}
+    encoder.save_pretrained(tmp_path / "labelled")
+    for num_labels in (2, 3):  # as many labels as the encoder named, and more
+        model = MATRobertaForSequenceClassification.from_encoder(tmp_path / "labelled", num_labels=num_labels)
+        assert model.config.num_labels == num_labels
+        assert "spam" not in model.config.id2label.values() and len(model.config.id2label) == num_labels
+        assert "spam" not in model.config.label2id
+
+
+def test_registering_the_classifiers_again_keeps_the_auto_classes_working():
+    """`register_mat_classifiers` is idempotent: calling it again (as a plugin reload does) keeps each model type
+    mapped to its own config and classifier."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from flexformers.modeling.modeling_mat import register_mat_classifiers
+
+    register_mat_classifiers()
+    for model_class in (MATRobertaForSequenceClassification, MATBertForSequenceClassification):
+        config_class = model_class.config_class
+        assert type(AutoConfig.for_model(config_class.model_type)) is config_class
+        model = AutoModelForSequenceClassification.from_config(config_class(**ENCODER, num_labels=2))
+        assert type(model) is model_class
+
+
+@pytest.mark.parametrize("model_class", [MATRobertaForSequenceClassification, MATBertForSequenceClassification])
+def test_classifier_drop_branch_and_drop_head_keep_a_half_precision_model_in_its_dtype(model_class):
+    """Training a bf16 classifier with drop-branch and drop-head: the factors are made in the activations' dtype, so
+    every hidden state stays bf16 (factors in float32 would promote the residual stream)."""
+    torch.manual_seed(0)
+    config = model_class.config_class(**ENCODER, num_labels=2, num_attention_branches=2, drop_branch_rate=0.3,
+                                      drop_head_rate=0.2)
+    model = model_class(config).to(torch.bfloat16).train()
+    input_ids, attention_mask = _encoder_batch()
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+    assert out.logits.dtype == torch.bfloat16
+    assert {state.dtype for state in out.hidden_states} == {torch.bfloat16}
+
+
+def test_drop_head_keeps_a_half_precision_encoder_decoder_in_its_dtype(batch):
+    """Training a bf16 MAT translation model with drop-head: the head factors are made in the activations' dtype,
+    so the attention outputs, the hidden states and the logits stay bf16."""
+    torch.manual_seed(0)
+    config = MATConfig(**TINY, encoder_attention_branches=2, decoder_attention_branches=2, drop_head_rate=0.3,
+                       drop_branch_rate=0.0)
+    model = MATForConditionalGeneration(config).to(torch.bfloat16).train()
+    out = model(**batch, output_hidden_states=True)
+    assert out.logits.dtype == torch.bfloat16
+    assert {s.dtype for s in (*out.encoder_hidden_states, *out.decoder_hidden_states)} == {torch.bfloat16}
+    assert torch.isfinite(out.loss)

@@ -458,3 +458,38 @@ def test_a_sharded_checkpoint_is_checked_shard_by_shard_and_resumes_exactly(tmp_
     last.write_bytes(whole)  # whole again: the run continues from the sharded checkpoint-4 as from the plain one
     train.run_from_argv(tiny_argv(out, "--max_steps", "6", *SAVE_EVERY_2, "--resume_from_checkpoint", "latest"))
     assert_same_weights(straight, out)
+
+
+# ---- issue 65, round 3: the held-out sample's (seed 2) survivors ----
+
+
+def test_a_damaged_single_weights_file_is_named_even_beside_other_weight_files(tmp_path):
+    """A folder whose `model.safetensors` is cut short is refused by that file's own check, even though the folder
+    also holds another weights file that alone would make it look loadable."""
+    from safetensors.torch import save_file
+
+    from flexformers.training_scripts.checkpoints import weights_problem
+
+    folder = tmp_path / "checkpoint-2"
+    folder.mkdir()
+    save_file({"weight": torch.ones(64, 64)}, folder / "model.safetensors", metadata={"format": "pt"})
+    torch.save({"weight": torch.ones(2)}, folder / "pytorch_model.bin")
+    assert weights_problem(folder) is None
+    whole = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(whole[: len(whole) // 2])
+    problem = weights_problem(folder)
+    assert problem is not None and problem.startswith(f"{folder / 'model.safetensors'} is truncated")
+
+
+def test_a_weights_file_without_tensors_is_judged_by_its_header_alone(tmp_path):
+    """A valid safetensors file that holds no tensor (only its header) is complete, not an error; with a byte more
+    it has trailing bytes."""
+    from safetensors.torch import save_file
+
+    from flexformers.training_scripts.checkpoints import safetensors_problem
+
+    path = tmp_path / "empty.safetensors"
+    save_file({}, path, metadata={"format": "pt"})
+    assert safetensors_problem(path) is None
+    path.write_bytes(path.read_bytes() + b"\0")
+    assert safetensors_problem(path).startswith(f"{path} is truncated or has trailing bytes")
