@@ -212,6 +212,23 @@ def test_a_converged_baseline_has_a_flat_curve_and_scores_well_above_copying():
     assert not zoo_statistics.converged({**result, "test": {"gain_over_copy": {"bleu": -2.8}}})  # flat, but below copying
 
 
+def test_the_earlier_flatness_rule_is_the_last_fifths_mean_minus_the_fifth_befores():
+    """The rule the zoo used until the least-squares one (window means), kept so the report can show both: one point
+    that jumps at the end moves the window means by its share, the least-squares line by more."""
+    curve = [{"update": u, "bleu": b} for u, b in ((500, 20.0), (650, 30.0), (750, 31.0), (850, 31.0), (1000, 33.0))]
+    # fifth before: updates 650 and 750 (mean 30.5); last fifth: 850 and 1000 (mean 32.0)
+    assert zoo_statistics.window_means_gain(curve) == 1.5
+    # least squares through (850, 31) and (1000, 33) over the fifth (800 -> 1000): slope 2/150 per update, × 200
+    assert zoo_statistics.last_fifth_gain(curve) == 2.67
+    assert zoo_statistics.window_means_gain(curve[-1:]) is None  # no fifth before
+    assert zoo_statistics.window_means_gain([]) is None
+    result = {"test": {"gain_over_copy": {"bleu": 24.7}}, "validation_curve": curve}
+    flat_today_only = [{"update": u, "bleu": b} for u, b in ((650, 28.0), (750, 29.0), (850, 31.0), (1000, 31.1))]
+    assert zoo_statistics.converged({**result, "validation_curve": flat_today_only})
+    assert not zoo_statistics.converged({**result, "validation_curve": flat_today_only},
+                                        zoo_statistics.window_means_gain)  # 31.05 - 28.5 = 2.55
+
+
 def test_training_argv_resumes_and_initialises(tmp_path):
     path = write_recipes(tmp_path, (
         "  - {name: base, task: word_order, model_type: flexformer, seed: 5}\n"

@@ -253,3 +253,28 @@ def test_the_case_verification_reuses_the_evaluations_hypotheses_only_for_the_sa
     assert zoo_runner.evaluated_hypotheses(tmp_path, ["a b", "c d", "e f"]) == ["x", "y"]  # the smoke mode's first ones
     assert zoo_runner.evaluated_hypotheses(tmp_path, ["c d", "a b"]) is None
     assert zoo_runner.evaluated_hypotheses(tmp_path / "missing", ["a b"]) is None
+
+
+def test_the_table_shows_the_flatness_of_both_rules_and_says_when_the_rule_changed(tmp_path):
+    """A rule that changed after runs it judges is shown beside the new one: each row's gain by both, the seed
+    spread's flat counts by both, and a sentence naming the change."""
+    path = write_recipes(tmp_path, (
+        "  - {name: base-s1, task: word_order, model_type: flexformer, claim: baseline, seed: 1}\n"
+        "  - {name: base-s2, task: word_order, model_type: flexformer, claim: baseline, seed: 2}\n"))
+    first, second = zoo_recipes.load_recipes(path)
+    # flat by today's rule (the last fifth's line rises 0.13) but not by the window means (31.05 - 28.5 = 2.55)
+    jumped = [{"update": u, "bleu": b} for u, b in ((650, 28.0), (750, 29.0), (850, 31.0), (1000, 31.1))]
+    level = [{"update": u, "bleu": b} for u, b in ((650, 31.0), (750, 31.0), (850, 31.1), (1000, 31.1))]
+    records = tmp_path / "records"
+    records.mkdir()
+    for recipe, curve in ((first, jumped), (second, level)):
+        result = {**_rendered_result(recipe, 40.0, {}, 1_000), "validation_curve": curve}
+        (records / f"{recipe.name}.json").write_text(json.dumps(result))
+    docs = tmp_path / "ZOO.md"
+    zoo_report.render([first, second], tmp_path / "runs", docs, records)
+    text = docs.read_text()
+    assert f"until {zoo_statistics.FLATNESS_RULE_CHANGE}" in text
+    base_row = next(line for line in text.splitlines() if line.startswith("| base-s1 |"))
+    assert base_row.split(" | ")[-3:-1] == ["0.13", "2.55"]  # today's gain, the earlier rule's
+    spread_row = next(line for line in text.splitlines() if line.startswith("| base | word_order |"))
+    assert spread_row.endswith("| 2 of 2 (1) |")
