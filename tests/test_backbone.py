@@ -467,6 +467,7 @@ def test_resizing_honours_mean_resizing_for_the_decoder_table_and_projection(voc
     model = tiny_model(target_vocab_size=50 if vocabulary == "separate target" else None)
     table, projection = model.get_decoder().embed_tokens, model.get_output_embeddings()
     old_table, old_projection = table.weight.detach().clone(), projection.weight.detach().clone()
+    old_source_table = model.get_input_embeddings().weight.detach().clone()
     old_size = old_table.shape[0]
     new_size = old_size + 6
     if vocabulary == "shared":
@@ -474,7 +475,10 @@ def test_resizing_honours_mean_resizing_for_the_decoder_table_and_projection(voc
     else:
         model.resize_decoder_token_embeddings(new_size, **({} if mean_resizing else {"mean_resizing": False}))
     assert projection.weight.shape[0] == model.get_decoder().embed_tokens.weight.shape[0] == new_size
-    for resized, old in ((model.get_decoder().embed_tokens.weight, old_table), (projection.weight, old_projection)):
+    resized_tables = [(model.get_decoder().embed_tokens.weight, old_table), (projection.weight, old_projection)]
+    if vocabulary == "shared":  # the source table is resized first, by its own call
+        resized_tables.append((model.get_input_embeddings().weight, old_source_table))
+    for resized, old in resized_tables:
         torch.testing.assert_close(resized[:old_size], old, rtol=0, atol=0)
         added = resized[old_size:].detach()
         at_mean = torch.allclose(added, old.mean(0).expand_as(added), atol=1e-3, rtol=0)

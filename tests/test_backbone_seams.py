@@ -369,3 +369,71 @@ def test_generate_infers_the_source_padding_mask():
     assert torch.equal(together.sequences[-1:], alone.sequences)
     for step_together, step_alone in zip(together.scores, alone.scores):
         torch.testing.assert_close(step_together[-1:], step_alone, atol=1e-5, rtol=0)
+
+
+def test_collector_takes_blocks_of_rows_given_as_slices():
+    """`add` with contiguous row blocks (slices) collects each block's new keys and values in place; `flush` then
+    leaves the cache a full-batch update would."""
+    model = tiny_model()
+    with torch.no_grad():
+        cache, reference_cache = _cache_after_steps_and_a_copy(model, 1)
+        attention = model.model.decoder.layers[0].self_attn
+        keys, values = attention.project_key_value(torch.randn(3, 1, 32))
+        collector = StepKVCollector(cache.self_attention_cache, 0, 3)
+        collector.add(slice(0, 2), keys[:2], values[:2])
+        collector.add(slice(2, 3), keys[2:], values[2:])
+        collector.flush()
+        reference_cache.self_attention_cache.update(keys, values, 0)
+    written, expected = cache.self_attention_cache.layers[0], reference_cache.self_attention_cache.layers[0]
+    torch.testing.assert_close(written.keys, expected.keys, rtol=0, atol=0)
+    torch.testing.assert_close(written.values, expected.values, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("operation", ["batch_select_indices", "batch_repeat_interleave"])
+def test_source_grouped_cache_ungroups_keys_and_values_before_a_batch_operation(operation):
+    """Selecting or repeating rows of a grouped cache (contrastive search, assisted decoding) first expands its
+    per-source cross-attention keys and values to one copy per row, then applies the operation as the standard
+    cache does."""
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    from flexformers.modeling.kv_caches import SourceGroupedCache
+
+    group, sources = 3, 2
+    generator = torch.Generator().manual_seed(0)
+    self_keys, self_values = (torch.randn(group * sources, 2, 4, 8, generator=generator) for _ in range(2))
+    cross_keys, cross_values = (torch.randn(sources, 2, 5, 8, generator=generator) for _ in range(2))
+    grouped = SourceGroupedCache(DynamicCache(), DynamicCache(), group_size=group)
+    standard = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    for cache, repeat in ((grouped, 1), (standard, group)):
+        cache.self_attention_cache.update(self_keys.clone(), self_values.clone(), 0)
+        cache.cross_attention_cache.update(cross_keys.repeat_interleave(repeat, dim=0),
+                                           cross_values.repeat_interleave(repeat, dim=0), 0)
+    argument = torch.tensor([5, 0, 3]) if operation == "batch_select_indices" else 2
+    getattr(grouped, operation)(argument)
+    getattr(standard, operation)(argument)
+    assert grouped.group_size == 1
+    for part in ("self_attention_cache", "cross_attention_cache"):
+        ours, theirs = getattr(grouped, part).layers[0], getattr(standard, part).layers[0]
+        torch.testing.assert_close(ours.keys, theirs.keys, rtol=0, atol=0)
+        torch.testing.assert_close(ours.values, theirs.values, rtol=0, atol=0)
+
+
+def test_ffn_branch_counts_of_the_config_reach_every_block():
+    """`encoder_ffn_branches` / `decoder_ffn_branches` (MAT's N_f, fields of the shared config) are handed to the
+    feed-forward seam of every encoder and decoder block."""
+    model = tiny_model(encoder_ffn_branches=2, decoder_ffn_branches=3)
+    assert [layer.ffn.num_branches for layer in model.model.encoder.layers] == [2] * len(model.model.encoder.layers)
+    assert [layer.ffn.num_branches for layer in model.model.decoder.layers] == [3] * len(model.model.decoder.layers)
+    ffn_dim = model.config.encoder_ffn_embed_dim
+    assert model.model.encoder.layers[0].ffn.fc1.out_features == 2 * ffn_dim
+
+
+def test_a_failing_mkldnn_query_means_no_weight_prepacking(monkeypatch):
+    """A torch build whose oneDNN query raises is treated as one without it: plain products, no prepacked weights."""
+    from flexformers.modeling import cpu_kernels
+
+    def broken():
+        raise RuntimeError("oneDNN not initialised")
+
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", broken)
+    assert cpu_kernels._prepacking_possible() is False

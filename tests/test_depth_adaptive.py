@@ -428,6 +428,61 @@ def test_generate_reads_exit_settings_from_the_models_own_generation_config():
     assert bool((overridden.exits[overridden.sequences[:, 1:].ne(PAD)] == 1).all())
 
 
+@pytest.mark.parametrize("where", ["passed", "model"])
+def test_generate_reads_confidence_thresholds_from_a_generation_config(where):
+    """`exit_thresholds` on the generation config (passed, or the model's own) set the confidence exits: thresholds
+    of 0 exit every token at block 1, thresholds of 1 (never reached by a softmax maximum here) at the last block."""
+    model = make_model(seed=3)
+    source, _ = make_batch()
+    exits_by_threshold = {}
+    for threshold in (0.0, 1.0):
+        config = GenerationConfig(max_new_tokens=4, decoder_start_token_id=2, eos_token_id=2, pad_token_id=PAD)
+        config.exit_strategy = "confidence"
+        config.exit_thresholds = [threshold] * (model.num_exits - 1)
+        with torch.no_grad():
+            if where == "passed":
+                output = model.generate(source, generation_config=config, return_exits=True)
+            else:
+                model.generation_config = config
+                output = model.generate(source, return_exits=True)
+        exits_by_threshold[threshold] = output.exits[output.sequences[:, 1:].ne(PAD)]
+    assert bool((exits_by_threshold[0.0] == 1).all())
+    assert bool((exits_by_threshold[1.0] == model.num_exits).all())
+
+
+class _GenerateOnceInside:
+    """A logits processor that runs the same model's generate() once, with other exit settings, during the outer
+    call's first step (as a model serving as its own draft model does)."""
+
+    def __init__(self, model, source):
+        self.model, self.source, self.inner_exits = model, source, None
+
+    def __call__(self, input_ids, scores):
+        if self.inner_exits is None:
+            inner = self.model.generate(self.source, max_new_tokens=2, exit_strategy="fixed", fixed_exit=3,
+                                        return_exits=True)
+            self.inner_exits = inner.exits[inner.sequences[:, 1:].ne(PAD)]
+        return scores
+
+
+def test_a_generate_inside_generate_leaves_the_outer_calls_exit_settings_in_place():
+    """Each generate() restores the exit settings it found, so a nested call (a model as its own assistant, a
+    processor that decodes) does not change the outer call's exits."""
+    from transformers import LogitsProcessorList
+
+    model = make_model(seed=3)
+    source, _ = make_batch()
+    nested = _GenerateOnceInside(model, source)
+    with torch.no_grad():
+        outer = model.generate(source, max_new_tokens=4, exit_strategy="fixed", fixed_exit=1, return_exits=True,
+                               logits_processor=LogitsProcessorList([nested]))
+        plain = model.generate(source, max_new_tokens=4, exit_strategy="fixed", fixed_exit=1, return_exits=True)
+    assert bool((nested.inner_exits == 3).all())
+    assert bool((outer.exits[outer.sequences[:, 1:].ne(PAD)] == 1).all())
+    assert torch.equal(outer.sequences, plain.sequences)
+    assert model._generation_exit_settings is None
+
+
 # --------------------------------------------------------------------------------------------- training
 
 
@@ -483,6 +538,25 @@ def test_mixed_training_samples_exits_and_trains_every_classifier():
     model.eval()
     with torch.no_grad():
         assert model(input_ids=source, labels=target).loss.item() == model(input_ids=source, labels=target).loss.item()
+
+
+def test_mixed_training_records_the_blocks_of_the_exit_sequence_it_returns():
+    """With several sampled exit sequences (Eq. 5), the recorded hidden states and attentions are those of the last
+    one, the sequence whose exits and logits the output returns: replaying those exits gives the same values."""
+    model = make_model(training_mode="mixed", mixed_num_samples=3).train()  # dropout 0: train and eval agree
+    source, target = make_batch()
+    torch.manual_seed(0)
+    output = model(input_ids=source, labels=target, output_hidden_states=True, output_attentions=True)
+    assert len(output.decoder_hidden_states) == TINY["decoder_layers"] + 1
+    assert len(output.decoder_attentions) == TINY["decoder_layers"]
+    model.eval()
+    with torch.no_grad():
+        replay = model(input_ids=source, labels=target, token_exits=output.exits, output_hidden_states=True,
+                       output_attentions=True)
+    torch.testing.assert_close(output.logits, replay.logits)
+    for recorded, replayed in zip(output.decoder_hidden_states + output.decoder_attentions,
+                                  replay.decoder_hidden_states + replay.decoder_attentions):
+        torch.testing.assert_close(recorded, replayed)
 
 
 @pytest.mark.parametrize(

@@ -620,3 +620,26 @@ def test_a_training_forward_adds_no_statistic_that_was_not_there_from_the_start(
     logged = model.pop_order_statistics()
     assert {"iot/tau_encoder", "iot/tau_decoder"} <= set(logged)
     assert {name: value.shape for name, value in model._order_statistics.sums.items()} == start
+
+
+def test_no_clamp_passes_the_gradient_of_a_certain_predictor():
+    """clamp = 0 (the official code's default) leaves Eq. 2's probabilities untouched, gradients included: a
+    predictor whose softmax reached exactly 1 and 0 still gets the gradient that clamping to [0, 1] would stop."""
+    from flexformers.modeling.iot_equations import clamp_order_probs
+
+    probs = torch.softmax(torch.tensor([[200.0, 0.0, 0.0]]), dim=-1).detach().requires_grad_()
+    assert probs.tolist() == [[1.0, 0.0, 0.0]]
+    (clamp_order_probs(probs, 0.0) * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+    assert probs.grad.tolist() == [[1.0, 2.0, 3.0]]
+
+
+def test_order_codes_stay_on_the_device_of_the_order_indices():
+    """The paper codes of the chosen orders are made on the indices' device (a GPU model's codes stay on the GPU);
+    the meta device stands in for another device here."""
+    model = tiny_iot(encoder_orders=[1, 2], decoder_orders=[1, 2, 3])
+    encoder_index = torch.tensor([1, 0, 1], device="meta")
+    decoder_index = torch.tensor([2, 0, 1], device="meta")
+    encoder_codes, decoder_codes = model.order_codes(encoder_index, decoder_index)
+    assert encoder_codes.device.type == "meta" and decoder_codes.device.type == "meta"
+    cpu_codes = model.order_codes(torch.tensor([1, 0, 1]), torch.tensor([2, 0, 1]))
+    assert cpu_codes[0].tolist() == [2, 1, 2] and cpu_codes[1].tolist() == [3, 1, 2]
