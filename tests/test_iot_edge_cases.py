@@ -22,7 +22,9 @@ from flexformers.modeling.modeling_iot import (
 )
 from flexformers.modeling.sublayer_order import PerRowSublayerOrder, contiguous_blocks, shortest_common_schedule
 from flexformers.modeling.transformers_compat import output_cache
-from tests.test_iot import batch, diverse_predictors, tiny_iot
+from tests.test_iot import TINY, batch, diverse_predictors, tiny_iot
+
+TINY_LAYERS = TINY["encoder_layers"]
 
 # ---------------------------------------------------------------------------------------------------------------
 # Issue 65: tests that catch wrong maths (surviving mutants of modeling_iot / iot_equations / sublayer_order)
@@ -643,3 +645,95 @@ def test_order_codes_stay_on_the_device_of_the_order_indices():
     assert encoder_codes.device.type == "meta" and decoder_codes.device.type == "meta"
     cpu_codes = model.order_codes(torch.tensor([1, 0, 1]), torch.tensor([2, 0, 1]))
     assert cpu_codes[0].tolist() == [2, 1, 2] and cpu_codes[1].tolist() == [3, 1, 2]
+
+
+def test_the_encoder_takes_inputs_embeds_as_it_takes_input_ids():
+    """`encode_with_orders` from token embeddings (no ids) chooses the same orders and encodes the same states as
+    from the ids, with a padding mask or, for an unpadded sentence, without one."""
+    model = tiny_iot(encoder_orders=[1, 2], decoder_orders=[1, 2, 3]).eval()
+    diverse_predictors(model)
+    input_ids, mask, _ = batch()
+    embeds = model.get_encoder().embed_tokens(input_ids)
+    with torch.no_grad():
+        from_ids = model.encode_with_orders(input_ids, mask)
+        from_embeds = model.encode_with_orders(None, mask, inputs_embeds=embeds)
+        unpadded = model.encode_with_orders(None, inputs_embeds=embeds[:1])
+    torch.testing.assert_close(from_embeds.last_hidden_state, from_ids.last_hidden_state)
+    assert torch.equal(from_embeds.encoder_order_index, from_ids.encoder_order_index)
+    assert torch.equal(from_embeds.decoder_order_index, from_ids.decoder_order_index)
+    torch.testing.assert_close(unpadded.last_hidden_state, from_ids.last_hidden_state[:1])
+
+
+def test_the_encoder_returns_hidden_states_only_when_asked():
+    model = tiny_iot().eval()
+    input_ids, mask, _ = batch()
+    with torch.no_grad():
+        assert model.encode_with_orders(input_ids, mask).hidden_states is None
+        asked = model.encode_with_orders(input_ids, mask, output_hidden_states=True)
+    assert len(asked.hidden_states) == TINY_LAYERS + 1
+
+
+def test_encoder_outputs_computed_elsewhere_keep_their_attentions_and_hidden_states():
+    """Given `encoder_outputs` (a plain BaseModelOutput), the model adds Eq. 4's decoder orders and returns the
+    encoder's attentions and hidden states with them, as BART returns those it was given."""
+    model = tiny_iot(decoder_orders=[1, 2, 3]).eval()
+    diverse_predictors(model)
+    input_ids, mask, labels = batch()
+    with torch.no_grad():
+        encoded = model.get_encoder()(input_ids, attention_mask=mask, output_attentions=True, output_hidden_states=True)
+        given = BaseModelOutput(last_hidden_state=encoded.last_hidden_state, hidden_states=encoded.hidden_states,
+                                attentions=encoded.attentions)
+        output = model(encoder_outputs=given, attention_mask=mask, labels=labels)
+    assert output.encoder_attentions is encoded.attentions
+    assert output.encoder_hidden_states is encoded.hidden_states
+
+
+def test_all_order_training_takes_decoder_inputs_embeds_as_it_takes_decoder_input_ids():
+    """Training over every order path at once (`batch_order_paths`) feeds each path the decoder's token embeddings
+    when they are given instead of ids: the loss is the same."""
+    model = tiny_iot(encoder_orders=[1, 2], decoder_orders=[1, 2, 3]).train()
+    input_ids, mask, labels = batch()
+    decoder_input_ids = torch.cat([torch.full((labels.shape[0], 1), 2), labels[:, :-1].clamp(min=1)], dim=1)
+    losses = []
+    for inputs in ({"decoder_input_ids": decoder_input_ids},
+                   {"decoder_inputs_embeds": model.get_decoder().embed_tokens(decoder_input_ids).detach()}):
+        torch.manual_seed(4)  # the same Gumbel noise for both
+        losses.append(model(input_ids=input_ids, attention_mask=mask, labels=labels, **inputs).loss)
+    torch.testing.assert_close(losses[0], losses[1])
+
+
+def test_generation_reorders_every_tensor_in_a_list_of_outputs():
+    """Sorted generation puts each sentence's rows back in the caller's order in every batch-major output, lists
+    (per-step fields) included, nested tuples too."""
+    from flexformers.modeling.iot_generation import _reorder_rows
+
+    positions = torch.tensor([2, 0, 1])
+    rows = torch.arange(6.0).view(6, 1)  # two rows per sentence
+    expected = torch.tensor([[4.0], [5.0], [0.0], [1.0], [2.0], [3.0]])  # block j is sentence positions[j]
+    reordered = _reorder_rows([rows, (rows, torch.tensor(7.0))], positions, 3)
+    assert isinstance(reordered, list)
+    torch.testing.assert_close(reordered[0], expected)
+    torch.testing.assert_close(reordered[1][0], expected)
+    assert reordered[1][1].item() == 7.0
+
+
+def test_gumbel_noise_is_float32_whatever_the_default_dtype():
+    """Eq. 1's noise is drawn in fp32 (its clamps use fp32's tiny and eps) even under a float64 default dtype."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        noise = sample_gumbel((64,), torch.device("cpu"), torch.Generator().manual_seed(0))
+    finally:
+        torch.set_default_dtype(previous)
+    assert noise.dtype == torch.float32
+
+
+def test_order_statistics_start_on_the_host_even_under_a_device_context():
+    """Transformers builds models under a device context (meta, or the GPU with device_map): the order statistics are
+    per-process accumulators made on the host all the same, moved to the model's device by the first training step."""
+    from flexformers.modeling.iot_order_statistics import IOTOrderStatistics
+
+    config = tiny_iot(encoder_orders=[1, 2], decoder_orders=[1, 2, 3]).config
+    with torch.device("meta"):
+        statistics = IOTOrderStatistics(config, encoder_predictor=True, decoder_predictor=True)
+    assert {value.device.type for value in statistics.sums.values()} == {"cpu"}

@@ -528,3 +528,53 @@ def test_drop_head_keeps_a_half_precision_encoder_decoder_in_its_dtype(batch):
     assert out.logits.dtype == torch.bfloat16
     assert {s.dtype for s in (*out.encoder_hidden_states, *out.decoder_hidden_states)} == {torch.bfloat16}
     assert torch.isfinite(out.loss)
+
+
+def test_cloning_refuses_tensors_that_differ_on_more_than_one_axis():
+    """Proximal initialisation clones a baseline tensor into branches along exactly one axis; shapes that differ on
+    two axes (of equal rank) are not a branch layout and are refused by name."""
+    from flexformers.modeling.modeling_mat import clone_into_branches
+
+    with pytest.raises(ValueError, match="'layer.weight'"):
+        clone_into_branches(torch.zeros(4, 6), torch.ones(2, 3), "layer.weight")
+    torch.testing.assert_close(clone_into_branches(torch.zeros(4, 3), torch.ones(2, 3), "layer.weight"),
+                               torch.ones(4, 3))
+
+
+def test_drop_branch_draws_come_from_the_generator_given():
+    """With a generator, the drop-branch factors are its draws, whatever the global random state."""
+    draws = []
+    for global_seed in (0, 5):
+        torch.manual_seed(global_seed)
+        generator = torch.Generator().manual_seed(1)
+        draws.append(drop_branch_keep_scales(32, 0.5, training=True, generator=generator))
+    torch.testing.assert_close(draws[0], draws[1], rtol=0, atol=0)
+    assert 0 < int(draws[0].eq(0).sum()) < 32
+
+
+@pytest.mark.parametrize("classifier", [MATRobertaForSequenceClassification, MATBertForSequenceClassification])
+def test_a_fresh_classifier_gets_its_encoders_initialisation(classifier):
+    """A classifier built from its config (not from an encoder) initialises every module as its encoder family does:
+    Linear weights ~ N(0, initializer_range), not PyTorch's default uniform."""
+    config = classifier.config_class(**ENCODER, num_attention_branches=2, num_labels=3, initializer_range=0.02)
+    torch.manual_seed(0)
+    model = classifier(config)
+    for linear in (model.base_model.encoder.layer[0].intermediate.dense, model.base_model.encoder.layer[1].output.dense):
+        assert abs(linear.weight.std().item() - 0.02) < 0.004
+        assert bool((linear.bias == 0).all())
+
+
+def test_proximal_initialisation_from_an_encoder_names_a_tensor_it_cannot_clone():
+    """An override that changes the encoder's shapes (here its width) cannot be a branch layout of the pretrained
+    tensors: from_encoder refuses, naming the tensor."""
+    torch.manual_seed(3)
+    base = RobertaModel(RobertaConfig(**ENCODER)).eval()
+    with pytest.raises(ValueError, match=r"Cannot clone baseline tensor '[\w.]+'"):
+        MATRobertaForSequenceClassification.from_encoder(base, hidden_size=48, num_attention_branches=2)
+
+
+@pytest.mark.parametrize("folder", [None, {"path": "x"}])
+def test_old_layout_detection_ignores_anything_that_is_not_a_path(folder):
+    """`from_pretrained(None, config=..., state_dict=...)` and other non-path arguments have no checkpoint folder to
+    read: no upgrade is needed, and none is looked for."""
+    assert branch_merge.old_layout_checkpoint_keys(folder) == {}
