@@ -601,3 +601,57 @@ def test_corpus_builders_report_duplicates_and_over_long_pairs_by_name(tmp_path,
     with caplog.at_level(logging.WARNING):
         build_codegen_corpus([tmp_path], use_cache=False, max_target_chars=100)
     assert "'over length cap': 1" in caplog.text and "'duplicate': 1" in caplog.text
+
+
+# Round 4 of the mutation score (docs/MUTATION.md): what seed 3's survivors in data.py showed untested.
+
+
+def test_a_cache_write_leaves_the_users_progress_bar_setting_as_it_found_it(tmp_path):
+    """The cache write silences datasets' "Saving the dataset" bars for itself only: a user who had them on keeps
+    them on, one who had them off keeps them off."""
+    import datasets
+
+    was_disabled = datasets.are_progress_bars_disabled()
+    try:
+        for cache, user_disabled in (("on", False), ("off", True)):
+            datasets.disable_progress_bars() if user_disabled else datasets.enable_progress_bars()
+            build_codegen_corpus(REAL_PY_FILES[:1], cache_dir=tmp_path / cache)
+            assert any((tmp_path / cache).iterdir())  # the cache write (and its bar switching) did happen
+            assert datasets.are_progress_bars_disabled() is user_disabled
+    finally:
+        datasets.disable_progress_bars() if was_disabled else datasets.enable_progress_bars()
+
+
+def test_the_codegen_cache_is_not_reused_when_the_source_length_cap_changes(tmp_path):
+    """max_source_chars is part of the cache key: a stricter cap on a second build must not return the first build's
+    rows from the cache."""
+    loose = build_codegen_corpus(REAL_PY_FILES, cache_dir=tmp_path / "c", max_source_chars=1024)
+    strict = build_codegen_corpus(REAL_PY_FILES, cache_dir=tmp_path / "c", max_source_chars=60)
+    loose_rows = [row for split in loose.values() for row in split]
+    strict_rows = [row for split in strict.values() for row in split]
+    assert 0 < len(strict_rows) < len(loose_rows)
+    assert all(len(row["source"]) <= 60 for row in strict_rows)
+    assert any(len(row["source"]) > 60 for row in loose_rows)
+
+
+PINNED_HUB_VALIDATION_ROWS = ["hello 11", "hello 24", "hello 27", "hello 4"]  # datasets' split with seed 0
+
+
+def test_a_hub_corpus_without_validation_split_draws_the_same_rows_on_every_machine(tmp_path, _private_datasets_cache):
+    """The held-out tenth is drawn with a fixed seed, so two machines (and the zoo's records) score the same rows:
+    the rows are pinned here, not only their count."""
+    from flexformers.training_scripts.data import load_hub_corpus
+
+    rows = [{"en": f"hello {i}", "de": f"hallo {i}"} for i in range(40)]
+    folder = write_jsonl(tmp_path / "corpus" / "train.jsonl", rows).parent
+    corpus = load_hub_corpus(str(folder), None, "en", "de")
+    assert sorted(corpus["validation"]["source"]) == PINNED_HUB_VALIDATION_ROWS
+
+
+def test_a_fifo_given_as_a_data_file_is_named_not_a_regular_file(tmp_path):
+    """A FIFO would block the read forever: it is refused by name, not as a missing file."""
+    import os
+
+    os.mkfifo(tmp_path / "pairs.tsv")
+    with pytest.raises(ValueError, match=r"pairs.tsv: not a regular file"):
+        read_parallel_file(tmp_path / "pairs.tsv")

@@ -371,7 +371,7 @@ def _deferred_cache_after_steps(model, source, steps=4):
     return caches
 
 
-@pytest.mark.parametrize("operation", ["crop", "select", "repeat", "reorder"])
+@pytest.mark.parametrize("operation", ["crop", "select", "repeat", "reorder", "reorder-select-reorder"])
 def test_copied_state_cache_operations_commute_with_completing_it(operation):
     """Cropping, selecting/repeating rows or reordering beams of a cache with recorded copied states, then
     completing it, gives the eager cache with the same operation applied."""
@@ -384,6 +384,12 @@ def test_copied_state_cache_operations_commute_with_completing_it(operation):
         "select": lambda cache: cache.batch_select_indices(torch.tensor([2, 0])),
         "repeat": lambda cache: cache.batch_repeat_interleave(2),
         "reorder": lambda cache: cache.self_attention_cache.reorder_cache(torch.tensor([1, 1, 0])),
+        # a beam step, rows dropped, another beam step: the second reorder needs a spare buffer of the new size
+        "reorder-select-reorder": lambda cache: (
+            cache.self_attention_cache.reorder_cache(torch.tensor([1, 2, 0])),
+            cache.batch_select_indices(torch.tensor([2, 0])),
+            cache.self_attention_cache.reorder_cache(torch.tensor([1, 0])),
+        ),
     }[operation]
     apply(deferred)
     apply(eager)

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from flexformers.configuration.configuration_depth_adaptive import DepthAdaptiveConfig
 from flexformers.modeling import depth_adaptive_equations
@@ -549,3 +550,59 @@ def test_layerwise_hidden_states_end_with_the_decoders_final_layer_norm(normaliz
     assert len(ours.decoder_hidden_states) == len(theirs.decoder_hidden_states) == 4
     for index, (mine, reference) in enumerate(zip(ours.decoder_hidden_states, theirs.decoder_hidden_states)):
         torch.testing.assert_close(mine, reference, msg=f"decoder hidden state {index}")
+
+
+# ---------------------------------------------- round 4 (docs/MUTATION.md): what seed 3's survivors showed untested
+
+
+def test_geometric_halting_gives_each_block_its_own_bias_eq12_13():
+    """χ^n_t = sigmoid(w_hᵀ h^n_t + b_n) with b_n the bias of block n (1-based, Eq. 12), then q_t(n) of Eq. 13 —
+    computed by hand with a different bias per block, so a shifted block index cannot pass."""
+    model = tiny_depth_adaptive(halting_mechanism="token_geometric", decoder_layers=4)
+    halting = model.halting
+    with torch.no_grad():
+        halting.bias.copy_(torch.tensor([-1.0, 0.5, 2.0]))
+    generator = torch.Generator().manual_seed(0)
+    states = [torch.randn(2, 3, 8, generator=generator) for _ in range(3)]  # h¹, h², h³
+    chi = [torch.sigmoid(halting.weight(h).squeeze(-1) + b) for h, b in zip(states, (-1.0, 0.5, 2.0))]
+    expected = torch.stack(
+        [chi[0], (1 - chi[0]) * chi[1], (1 - chi[0]) * (1 - chi[1]) * chi[2], (1 - chi[0]) * (1 - chi[1]) * (1 - chi[2])],
+        -1,
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(halting(states).exp(), expected)
+
+
+def test_token_halting_loss_reads_the_first_blocks_states_and_the_oracles_lambda():
+    """Token-specific multinomial halting (Eq. 11) predicts from h¹_t, the first block's state; its target is
+    LL(σ, λ) of Eq. 14-15 with the config's λ (a large λ pulls every token's oracle exit to block 1)."""
+    generator = torch.Generator().manual_seed(0)
+    states = [torch.randn(2, 4, 8, generator=generator) for _ in range(3)]
+    exit_logits = [torch.randn(2, 4, 40, generator=generator) for _ in range(3)]
+    labels = torch.randint(4, 40, (2, 4), generator=generator)
+    labels[1, 3] = -100
+    for lam in (0.0, 50.0):
+        model = tiny_depth_adaptive(halting_mechanism="token_multinomial", oracle="likelihood", oracle_lambda=lam)
+        with torch.no_grad():
+            loss, oracle, log_q = model.halting_loss(states, exit_logits, labels, None, None)
+            torch.testing.assert_close(log_q, model.halting(states[0]))
+        scores = torch.stack([F.log_softmax(logits, -1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+                              for logits in exit_logits], -1)
+        assert torch.equal(oracle, token_likelihood_oracle(scores, labels.ne(-100), 0.0, lam))
+        if lam:
+            assert oracle[labels.ne(-100)].eq(1).all()
+        else:
+            assert oracle[labels.ne(-100)].gt(1).any()  # without λ some token prefers a deeper exit
+
+
+def test_sequence_halting_flops_are_paid_once_at_the_first_token():
+    """Appendix B: sequence-specific depth predicts once per sentence, FP = 2 N d_d at t = 1 and 0 after."""
+    exits = [2, 2, 2]
+    extra = sequence_flops(SHAPE, exits, 5, "sequence") - sequence_flops(SHAPE, exits, 5, "fixed")
+    assert extra == 2 * SHAPE.num_blocks * SHAPE.decoder_embed_dim
+
+
+def test_rbf_kernel_of_sigma_zero_is_made_on_the_given_device():
+    """σ = 0 (the identity) is made on the device asked for, like σ > 0 ("meta" stands in for an accelerator)."""
+    assert rbf_kernel(3, 0.0, device=torch.device("meta")).is_meta
+    assert rbf_kernel(3, 1.0, device=torch.device("meta")).is_meta

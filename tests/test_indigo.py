@@ -786,3 +786,18 @@ def test_sao_search_stays_on_the_inputs_device_and_needs_no_attention_mask(model
         encoder.to("meta"), None, targets.to("meta"), lengths.to("meta"), beam_size=2
     )
     assert orders.device.type == scores.device.type == "meta" and orders.shape == (2, 2, 3)
+
+
+def test_decoder_inputs_embeds_give_what_the_decoder_input_ids_they_embed_give(model, source):
+    """An insertion batch given as embeddings (`decoder_inputs_embeds` + `relative_positions`) scores exactly as
+    the same batch given as ids, as a built-in model's decoder_inputs_embeds do."""
+    labels = torch.tensor([[12, 13, 14, 2], [15, 16, 2, -100], [17, 2, -100, -100]])
+    batch = model.insertion_batch_from_labels(labels)
+    ids = batch["decoder_input_ids"]
+    embeds = model.get_decoder().embed_tokens(ids)
+    with torch.no_grad():
+        by_ids = model(input_ids=source, decoder_input_ids=ids, relative_positions=batch["relative_positions"])
+        by_embeds = model(input_ids=source, decoder_inputs_embeds=embeds, relative_positions=batch["relative_positions"])
+        trained = model(input_ids=source, decoder_inputs_embeds=embeds, **{k: v for k, v in batch.items() if k != "decoder_input_ids"})
+    torch.testing.assert_close(by_embeds.logits, by_ids.logits)
+    torch.testing.assert_close(trained.loss, model(input_ids=source, **batch).loss)

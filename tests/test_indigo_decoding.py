@@ -436,3 +436,48 @@ def test_a_stopping_criterion_ends_insertion_decoding_for_every_sentence(model, 
                             output_scores=True, stopping_criteria=StoppingCriteriaList([StopAtFourTokens()]))
     assert output.sequences.shape == (SOURCE.shape[0], 4)
     assert output.insertion_ids.shape[1] == 4
+
+
+# ---------------------------------------------- round 4 (docs/MUTATION.md): what seed 3's survivors showed untested
+
+
+def test_the_streamer_first_receives_exactly_the_start_pair(model):
+    """Insertion decoding starts from `<s> </s>`: the streamer's first put is that pair for every row, nothing more,
+    then one inserted word per row and step."""
+    from tests.test_generate_options import RecordingStreamer
+
+    streamer = RecordingStreamer()
+    with torch.no_grad():
+        model.generate(SOURCE, max_new_tokens=3, streamer=streamer)
+    config = model.config
+    assert torch.equal(streamer.puts[0], torch.tensor([[config.bos_token_id, config.eos_token_id]] * SOURCE.shape[0]))
+    assert all(put.shape == (SOURCE.shape[0],) for put in streamer.puts[1:]) and streamer.ended
+
+
+def test_the_pointer_cache_keeps_its_keys_in_the_dtype_it_is_given():
+    """The SAO search's pointer keys are kept in the search's dtype (a float64 or bfloat16 search keeps its
+    precision); the word logits are float32 whatever it is."""
+    for dtype in (torch.float64, torch.bfloat16):
+        cache = ReferencePointerCache(torch.zeros(2, 5, 8), beams=3, capacity=6, dtype=dtype)
+        assert cache.keys.dtype == dtype and cache.word_logits.dtype == torch.float32
+
+
+def test_early_stopping_false_ends_when_transformers_heuristic_says_so(early_ending_model):
+    """`early_stopping=False` compares the best live hypothesis, normalised by its length in words (the same
+    count as a finished one's: the words placed plus the one being chosen), with the worst finished one. Stored
+    expected outputs of the seeded tiny model: how many steps the search runs, and the scores it returns."""
+    model = early_ending_model
+    processors = LogitsProcessorList([EodBias(1.0, model.config.eod_token_id)])
+    expected = {  # length_penalty -> (steps, last sentence's three returned scores)
+        0.5: (5, [-3.2829, -5.0600, -5.1071]),
+        1.0: (5, [-2.3213, -2.5153, -2.5300]),
+    }
+    for length_penalty, (steps, scores) in expected.items():
+        with torch.no_grad():
+            output = model.generate(
+                SOURCE, max_new_tokens=8, num_beams=3, num_return_sequences=3, early_stopping=False,
+                length_penalty=length_penalty, logits_processor=processors, return_dict_in_generate=True,
+                output_scores=True,
+            )
+        assert len(output.scores) == steps
+        torch.testing.assert_close(output.sequences_scores[-3:], torch.tensor(scores), atol=1e-4, rtol=0)

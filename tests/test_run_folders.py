@@ -388,6 +388,22 @@ def test_resuming_with_other_output_switches_is_not_another_architecture(tmp_pat
     assert resumed_config_problem(tmp_path, FlexformerConfig(**tiny_config_kwargs())) is None
 
 
+def test_a_checkpoint_written_by_another_transformers_version_resumes(tmp_path):
+    """The Transformers version that wrote config.json is not the model: a checkpoint saved by an older (or newer)
+    release resumes."""
+    import json
+
+    from flexformers.configuration.configuration_flexformer import FlexformerConfig
+    from flexformers.training_scripts.checkpoints import resumed_config_problem
+    from tests.conftest import tiny_config_kwargs
+
+    FlexformerConfig(**tiny_config_kwargs()).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved["transformers_version"] = "4.0.0"
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert resumed_config_problem(tmp_path, FlexformerConfig(**tiny_config_kwargs())) is None
+
+
 def test_a_resumed_architecture_names_at_most_four_fields_and_counts_the_rest(tmp_path):
     from flexformers.configuration.configuration_flexformer import FlexformerConfig
     from flexformers.training_scripts.checkpoints import resumed_config_problem
