@@ -647,6 +647,21 @@ def test_order_codes_stay_on_the_device_of_the_order_indices():
     assert cpu_codes[0].tolist() == [2, 1, 2] and cpu_codes[1].tolist() == [3, 1, 2]
 
 
+@pytest.mark.parametrize("uses_predictor", [False, True])
+def test_decoder_orders_added_to_outside_encoder_outputs_stay_on_their_device(uses_predictor):
+    """Encoder outputs computed elsewhere get Eq. 4's decoder order on the device of their states (a GPU model's
+    order index stays on the GPU; the meta device stands in for another device), fixed order or predicted."""
+    config = dict(encoder_orders=[1, 2], decoder_orders=[1, 2, 3])
+    if not uses_predictor:
+        config.update(decoder_orders=[3])
+    with torch.device("meta"):
+        model = tiny_iot(**config)
+    states = torch.zeros(2, 4, TINY["encoder_embed_dim"], device="meta")
+    with_orders = model._with_decoder_orders(BaseModelOutput(last_hidden_state=states), None, None)
+    assert with_orders.decoder_order_index.device.type == "meta"
+    assert with_orders.decoder_order_index.shape == (2,)
+
+
 def test_the_encoder_takes_inputs_embeds_as_it_takes_input_ids():
     """`encode_with_orders` from token embeddings (no ids) chooses the same orders and encodes the same states as
     from the ids, with a padding mask or, for an unpadded sentence, without one."""

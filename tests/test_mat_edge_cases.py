@@ -253,6 +253,22 @@ def test_a_classifier_built_from_its_config_starts_with_zero_branch_biases(model
         assert torch.isfinite(model(input_ids, attention_mask=mask).logits).all()
 
 
+@pytest.mark.parametrize("model_class", [MATRobertaForSequenceClassification, MATBertForSequenceClassification])
+def test_a_classifier_built_from_its_config_is_initialised_like_its_encoder(model_class):
+    """Besides the merge biases, every stock module gets the encoder family's own initialisation (Linear weights
+    N(0, initializer_range) with zero biases, embeddings N(0, initializer_range)), as the single-branch classifier
+    of the same family does, not PyTorch's default uniform ranges."""
+    torch.manual_seed(27)
+    config = model_class.config_class(**ENCODER, num_attention_branches=2, initializer_range=0.02)
+    model = model_class(config)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(torch.equal(m.bias, torch.zeros_like(m.bias)) for m in linears if m.bias is not None)
+    weights = torch.cat([m.weight.flatten() for m in linears])
+    assert abs(weights.std().item() - 0.02) < 0.002 and abs(weights.mean().item()) < 0.002
+    embeddings = model.base_model.embeddings.word_embeddings.weight
+    assert abs(embeddings.std().item() - 0.02) < 0.003
+
+
 def test_a_multi_branch_model_built_under_a_device_context_has_every_weight_on_that_device():
     """The multi-branch merge (`B * in` columns, per-branch biases) follows `with torch.device(...)` too, as
     Transformers' meta-device loading and users' GPU builds need."""
