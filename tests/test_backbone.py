@@ -205,6 +205,53 @@ def test_label_smoothed_loss_matches_fairseq_formula():
     assert nll.item() == pytest.approx(expected_nll.item() / count, rel=1e-5)
 
 
+def test_the_model_type_check_reads_the_config_with_the_callers_loading_options(tmp_path, monkeypatch):
+    """`from_pretrained` checks the checkpoint's model type from its config with the caller's own loading options: a
+    caller who asked for local files only, a revision, a subfolder or a cache folder gets the check done that way
+    too (it is not sent to the network, nor to another folder)."""
+    from transformers import PreTrainedConfig
+
+    tiny_model().save_pretrained(tmp_path / "checkpoint" / "sub")
+    original = PreTrainedConfig.get_config_dict.__func__
+    seen = []
+
+    def recording(cls, path, **kwargs):
+        seen.append(dict(kwargs))
+        return original(cls, path, **kwargs)
+
+    monkeypatch.setattr(PreTrainedConfig, "get_config_dict", classmethod(recording))
+    options = dict(local_files_only=True, revision="main", subfolder="sub", cache_dir=str(tmp_path / "cache"))
+    FlexformerForConditionalGeneration.from_pretrained(tmp_path / "checkpoint", **options)
+    assert seen and {key: seen[0].get(key) for key in options} == options
+
+
+def test_label_smoothed_loss_of_a_single_kept_token_is_that_tokens_loss():
+    """Averaged over the kept tokens: one kept token is divided by one (the count is clamped only to avoid 0 / 0
+    for a batch of padding)."""
+    torch.manual_seed(1)
+    logits = torch.randn(1, 3, 7)
+    labels = torch.tensor([[4, -100, -100]])
+    loss, nll = label_smoothed_nll_loss(logits, labels, 0.0)
+    expected = -torch.log_softmax(logits[0, 0], -1)[4]
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6) and nll.item() == pytest.approx(expected.item(), rel=1e-6)
+    empty_loss, _ = label_smoothed_nll_loss(logits, torch.full((1, 3), -100), 0.1)
+    assert empty_loss.item() == 0.0
+
+
+def test_token_loss_terms_stay_finite_for_rows_of_far_apart_scales():
+    """Each row is normalised by its own maximum: a row whose logits lie thousands below another's still gets its
+    exact log-softmax terms (one maximum for the whole batch would underflow it to log 0)."""
+    torch.manual_seed(2)
+    logits = torch.randn(2, 9, dtype=torch.float64)
+    logits[0] += 3000.0
+    logits[1] -= 3000.0
+    labels = torch.tensor([3, 5])
+    loss, nll = label_smoothed_nll_loss(logits, labels, 0.0)
+    expected = torch.nn.functional.cross_entropy(logits, labels)
+    assert torch.isfinite(loss) and loss.item() == pytest.approx(expected.item(), rel=1e-9)
+    assert nll.item() == pytest.approx(expected.item(), rel=1e-9)
+
+
 @pytest.mark.parametrize("epsilon", [0.0, 0.1])
 def test_fused_label_smoothed_loss_gradient_matches_autograd_of_the_formula(epsilon):
     """The fused backward (`softmax − (1−ε−ε')·onehot − ε'`) equals autograd through fairseq's formula, padding

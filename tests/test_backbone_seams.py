@@ -204,6 +204,29 @@ def test_step_kv_collector_refuses_a_partial_write():
         collector.flush()
 
 
+def test_collector_takes_all_rows_at_once_and_is_ready_for_the_next_step_after_a_flush():
+    """`add` without rows (every row in one call) hands those keys and values to the cache as they are; a flushed
+    collector starts its next step from nothing, so it can collect step after step."""
+    model = tiny_model()
+    with torch.no_grad():
+        cache, reference_cache = _cache_after_steps_and_a_copy(model, 1)
+        attention = model.model.decoder.layers[0].self_attn
+        collector = StepKVCollector(cache.self_attention_cache, 0, 3)
+        for step in range(2):
+            keys, values = attention.project_key_value(torch.randn(3, 1, 32))
+            if step == 0:
+                collector.add(None, keys, values)
+            else:  # in two subsets of rows, after the full-batch step
+                collector.add(torch.tensor([2, 0]), keys[[2, 0]], values[[2, 0]])
+                collector.add(torch.tensor([1]), keys[1:2], values[1:2])
+            collector.flush()
+            reference_cache.self_attention_cache.update(keys, values, 0)
+    written, expected = cache.self_attention_cache.layers[0], reference_cache.self_attention_cache.layers[0]
+    assert written.keys.shape[2] == 3
+    torch.testing.assert_close(written.keys, expected.keys, rtol=0, atol=0)
+    torch.testing.assert_close(written.values, expected.values, rtol=0, atol=0)
+
+
 def test_row_subset_attention_with_collector_equals_full_batch_step():
     """The Depth-Adaptive / IOT primitive: attending for two row subsets with deferred cache writes gives the
     same outputs and the same cache as one full-batch step."""
@@ -257,7 +280,9 @@ def test_whole_groups_recognises_all_beams_of_some_sentences():
     assert whole_groups(torch.tensor([5, 4, 3]), 3) is None  # beams out of order
     assert whole_groups(torch.tensor([], dtype=torch.long), 3) is None
     rows = torch.tensor([0, 1, 2])
-    assert torch.equal(whole_groups(rows, 3), torch.tensor([0])) and whole_groups(rows, 2) is None
+    assert torch.equal(whole_groups(rows, 3), torch.tensor([0]))
+    assert torch.equal(whole_groups(rows, 3), torch.tensor([0]))  # asked again: the remembered answer
+    assert whole_groups(rows, 2) is None and whole_groups(rows, 2) is None
     rows[0] = 2  # the remembered answer follows in-place changes of the same tensor
     assert whole_groups(rows, 3) is None
 
@@ -389,8 +414,9 @@ def test_collector_takes_blocks_of_rows_given_as_slices():
     torch.testing.assert_close(written.values, expected.values, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("group", [2, 3])
 @pytest.mark.parametrize("operation", ["batch_select_indices", "batch_repeat_interleave"])
-def test_source_grouped_cache_ungroups_keys_and_values_before_a_batch_operation(operation):
+def test_source_grouped_cache_ungroups_keys_and_values_before_a_batch_operation(operation, group):
     """Selecting or repeating rows of a grouped cache (contrastive search, assisted decoding) first expands its
     per-source cross-attention keys and values to one copy per row, then applies the operation as the standard
     cache does."""
@@ -398,7 +424,7 @@ def test_source_grouped_cache_ungroups_keys_and_values_before_a_batch_operation(
 
     from flexformers.modeling.kv_caches import SourceGroupedCache
 
-    group, sources = 3, 2
+    sources = 2
     generator = torch.Generator().manual_seed(0)
     self_keys, self_values = (torch.randn(group * sources, 2, 4, 8, generator=generator) for _ in range(2))
     cross_keys, cross_values = (torch.randn(sources, 2, 5, 8, generator=generator) for _ in range(2))
@@ -408,7 +434,7 @@ def test_source_grouped_cache_ungroups_keys_and_values_before_a_batch_operation(
         cache.self_attention_cache.update(self_keys.clone(), self_values.clone(), 0)
         cache.cross_attention_cache.update(cross_keys.repeat_interleave(repeat, dim=0),
                                            cross_values.repeat_interleave(repeat, dim=0), 0)
-    argument = torch.tensor([5, 0, 3]) if operation == "batch_select_indices" else 2
+    argument = torch.tensor([group * sources - 1, 0, group]) if operation == "batch_select_indices" else 2
     getattr(grouped, operation)(argument)
     getattr(standard, operation)(argument)
     assert grouped.group_size == 1

@@ -7,6 +7,9 @@
     flexformers-zoo reevaluate depth-adaptive-translation-s1  # a finished recipe's evaluation again, no training
     flexformers-zoo render                     # docs/ZOO.md: the table and the plots, from the finished runs
     flexformers-zoo run --all --smoke          # every recipe for a few updates (CI)
+    flexformers-zoo ship baseline-word-order-s1  # a finished recipe's model into zoo_models/, proving its card
+    flexformers-zoo verify                     # each shipped model decodes its card's slice to the card's score
+    flexformers-zoo publish --namespace me --dry_run  # what uploading the shipped models to the Hub would send
 
 A recipe is trained by ``flexformers-train`` for its budget in updates, saving a checkpoint at every curve point so
 that a run cut off (a session ends, the machine restarts) goes on from there: ``run --all`` skips finished recipes
@@ -42,8 +45,30 @@ from flexformers.training_scripts.zoo_runner import (
     run_recipe,
     trained_updates,
 )
+from flexformers.training_scripts.zoo_shipping import (
+    DEFAULT_SHIPPED_DIR,
+    publish,
+    read_ship_record,
+    ship_recipe,
+    shipped_folders,
+    verify_shipped,
+)
 
 logger = logging.getLogger("flexformers.zoo")
+
+
+def verify_command(shipped_dir: Path, python: str | None) -> int:
+    folders = shipped_folders(shipped_dir)
+    if not folders:
+        raise ValueError(f"{shipped_dir} holds no shipped models (`flexformers-zoo ship RECIPE` ships one)")
+    failed = 0
+    for folder in folders:
+        problems = verify_shipped(folder, python)
+        bleu = read_ship_record(folder)["slice"]["metrics"]["bleu"]
+        print(f"{folder}: " + ("; ".join(problems) if problems else f"slice BLEU {bleu:.2f}, as its card says"),
+              flush=True)
+        failed += bool(problems)
+    return 1 if failed else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,6 +92,22 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "(after the evaluation or a method's analysis changed)")
     again.add_argument("names", nargs="+", help="finished recipes whose run folders are here (see `list`)")
     again.add_argument("--no_export", action="store_true", help="skip the Hub folders")
+    ship = commands.add_parser("ship", help="copy finished recipes' exported models into the repository's shipped "
+                                            "models, half-precision storage measured and the card slice scored")
+    ship.add_argument("names", nargs="+", help="finished recipes whose run and export folders are here")
+    ship.add_argument("--shipped_dir", default=DEFAULT_SHIPPED_DIR, help="(default: %(default)s)")
+    ship.add_argument("--replace", action="store_true",
+                      help="replace a shipped model whose recipe has changed since (never one of the same recipe)")
+    verify = commands.add_parser("verify", help="decode every shipped model's card slice again and compare")
+    verify.add_argument("--shipped_dir", default=DEFAULT_SHIPPED_DIR, help="(default: %(default)s)")
+    verify.add_argument("--python", default=None,
+                        help="decode in this interpreter through the folders' remote code (e.g. a clean venv's "
+                             "python holding only torch, transformers, tokenizers and safetensors)")
+    publish_parser = commands.add_parser("publish", help="upload every shipped model to a Hub namespace")
+    publish_parser.add_argument("--namespace", required=True, help="Hub user or organisation: <namespace>/<recipe>")
+    publish_parser.add_argument("--shipped_dir", default=DEFAULT_SHIPPED_DIR, help="(default: %(default)s)")
+    publish_parser.add_argument("--dry_run", action="store_true", help="list what would be uploaded; upload nothing")
+    publish_parser.add_argument("--private", action="store_true", help="create the repositories as private")
     render_parser = commands.add_parser("render", help="write docs/ZOO.md and its plots from the finished runs")
     render_parser.add_argument("--docs", default="docs/ZOO.md", help="(default: %(default)s)")
     return parser
@@ -74,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.command != "publish":  # nothing else reaches the network; publishing is what the network is for
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     try:
@@ -89,10 +131,25 @@ def main(argv: list[str] | None = None) -> int:
             path = render(recipes, runs_dir, Path(args.docs), records_dir)
             print(f"wrote {path}")
             return 0
+        if args.command == "verify":
+            return verify_command(Path(args.shipped_dir), args.python)
+        if args.command == "publish":
+            for line in publish(Path(args.shipped_dir), args.namespace, dry_run=args.dry_run, private=args.private):
+                print(line, flush=True)
+            return 0
         known = {recipe.name: recipe for recipe in recipes}
         unknown = [name for name in args.names if name not in known]
         if unknown:
             raise ValueError(f"no recipe named {', '.join(unknown)} (see `flexformers-zoo list`)")
+        if args.command == "ship":
+            for name in args.names:
+                record = ship_recipe(known[name], runs_dir, Path(args.shipped_dir), replace=args.replace)
+                storage = record["storage"]
+                print(f"{name}: shipped to {Path(args.shipped_dir) / name} ({storage['dtype']} weights: whole-test BLEU "
+                      f"{storage['float32_bleu']:.2f} in float32, {storage['float16_bleu']} from float16); card slice "
+                      f"BLEU {record['slice']['metrics']['bleu']:.2f} on {record['slice']['examples']} examples "
+                      f"(copying {record['slice']['copy_baseline']['bleu']:.2f})", flush=True)
+            return 0
         if args.command == "reevaluate":
             for name in args.names:
                 result = reevaluate(known[name], runs_dir, records_dir, export=not args.no_export)
