@@ -79,6 +79,7 @@ def test_ship_copies_the_export_measures_storage_and_proves_the_card(smoke_run, 
     assert shipped_folders(shipped_dir) == [folder]
     assert [path.name for path in shipped_dir.iterdir()] == ["base"]  # no staging left
     assert json.loads((folder / SHIP_RECORD).read_text()) == record
+    assert record["files"] == sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
     assert not (folder / ".flexformers-export.json").exists()
     for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "README.md"):
         assert (folder / name).is_file(), name
@@ -127,6 +128,16 @@ def test_ship_copies_the_export_measures_storage_and_proves_the_card(smoke_run, 
     assert any("does not state the slice BLEU" in problem for problem in problems), problems
     assert zoo.main(["verify", "--shipped_dir", str(tampered.parent)]) == 1
 
+    # shipped from an earlier version of the recipe: replaced with --replace only, nothing else left behind
+    earlier = json.loads((folder / SHIP_RECORD).read_text())
+    earlier["recipe"]["seed"] += 1
+    (folder / SHIP_RECORD).write_text(json.dumps(earlier))
+    with pytest.raises(ValueError, match="pass --replace"):
+        ship_recipe(recipe, runs, shipped_dir, allow_smoke=True, measure_examples=8)
+    replaced = ship_recipe(recipe, runs, shipped_dir, allow_smoke=True, measure_examples=8, replace=True)
+    assert [path.name for path in shipped_dir.iterdir()] == ["base"]
+    assert json.loads((folder / SHIP_RECORD).read_text()) == replaced and replaced["recipe"]["seed"] == recipe.seed
+
 
 @pytest.mark.slow
 def test_ship_refuses_what_it_must_not_replace_or_exceed(smoke_run, tmp_path, monkeypatch):
@@ -151,13 +162,16 @@ def test_a_changed_recipe_replaces_a_shipped_model_only_when_asked(tmp_path):
                                    task_settings={})
     folder = tmp_path / "base"
     folder.mkdir()
-    (folder / SHIP_RECORD).write_text(json.dumps({"recipe": dataclasses.asdict(recipe)}))
+    (folder / SHIP_RECORD).write_text(json.dumps({"recipe": dataclasses.asdict(recipe), "files": [SHIP_RECORD]}))
     with pytest.raises(ValueError, match="replaced only when its recipe changes"):
         zoo_shipping._check_destination(folder, recipe, replace=True)
     changed = dataclasses.replace(recipe, seed=recipe.seed + 1)
     with pytest.raises(ValueError, match=r"changed since .* \(seed differ\): pass --replace"):
         zoo_shipping._check_destination(folder, changed, replace=False)
     zoo_shipping._check_destination(folder, changed, replace=True)  # allowed
+    (folder / "my_notes.txt").write_text("mine")  # a file the user added: the folder is not replaced
+    with pytest.raises(ValueError, match=r"holds files `ship` did not write \(my_notes.txt\)"):
+        zoo_shipping._check_destination(folder, changed, replace=True)
     zoo_shipping._check_destination(tmp_path / "absent", recipe, replace=False)
 
 

@@ -167,6 +167,14 @@ def _check_destination(target: Path, recipe: ZooRecipe, replace: bool) -> None:
     if not replace:
         raise ValueError(f"recipe {recipe.name!r} changed since {target} was shipped ({', '.join(changed)} differ): "
                          f"pass --replace to ship the new model in its place")
+    added = sorted(set(_relative_files(target)) - set(shipped.get("files") or ()) - {SHIP_RECORD})
+    if added:
+        raise ValueError(f"{target} holds files `ship` did not write ({', '.join(added[:5])}): move them away before "
+                         f"replacing it")
+
+
+def _relative_files(folder: Path) -> list[str]:
+    return sorted(str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file())
 
 
 def ship_recipe(recipe: ZooRecipe, runs_dir: Path, shipped_dir: Path, replace: bool = False,
@@ -241,18 +249,28 @@ def ship_recipe(recipe: ZooRecipe, runs_dir: Path, shipped_dir: Path, replace: b
                       "sacrebleu_signature": slice_score["sacrebleu_signature"], "is_code": is_code,
                       "sources": sources[:count], "references": references[:count], "hypotheses": hypotheses},
         }
-        (folder / SHIP_RECORD).write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         card = folder / "README.md"
         card.write_text(card.read_text(encoding="utf-8").rstrip("\n") + "\n" + _card_section(record),
                         encoding="utf-8")
+        # what `ship` wrote: a later --replace removes a folder holding nothing else
+        record["files"] = sorted({*_relative_files(folder), SHIP_RECORD})
+        (folder / SHIP_RECORD).write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         others = sum(folder_bytes(other) for other in shipped_folders(shipped_dir) if other.name != recipe.name)
         if others + folder_bytes(folder) > SHIPPED_SIZE_LIMIT:
             raise ValueError(f"shipping {recipe.name!r} ({folder_bytes(folder) / 2**20:.1f} MiB) would bring the "
                              f"shipped models to {(others + folder_bytes(folder)) / 2**20:.1f} MiB, over the "
                              f"{SHIPPED_SIZE_LIMIT / 2**20:.0f} MiB allowed")
-        if target.exists():  # checked above: a folder `ship` made, of an earlier version of the recipe
-            shutil.rmtree(target)
-        folder.rename(target)
+        if target.exists():  # checked above: a folder `ship` made, of an earlier version of the recipe, unchanged
+            # moved into the staging folder (removed with it) only once the new folder is in its place
+            replaced = staging / "replaced"
+            target.rename(replaced)
+            try:
+                folder.rename(target)
+            except OSError:
+                replaced.rename(target)
+                raise
+        else:
+            folder.rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return record
