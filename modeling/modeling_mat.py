@@ -333,7 +333,6 @@ def _widen_query_key_value(attention: nn.Module, num_branches: int) -> None:
     attention.query = nn.Linear(in_features, width)
     attention.key = nn.Linear(in_features, width)
     attention.value = nn.Linear(in_features, width)
-    attention.num_branches = num_branches
 
 
 class MATRobertaSelfAttention(RobertaSelfAttention):

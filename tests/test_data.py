@@ -655,3 +655,45 @@ def test_a_fifo_given_as_a_data_file_is_named_not_a_regular_file(tmp_path):
     os.mkfifo(tmp_path / "pairs.tsv")
     with pytest.raises(ValueError, match=r"pairs.tsv: not a regular file"):
         read_parallel_file(tmp_path / "pairs.tsv")
+
+
+# ---------------------------------------------------------------------------------------------------- round 5
+def test_a_json_extension_reads_as_json_lines(tmp_path):
+    """``.json`` is sniffed as JSON lines, like ``.jsonl`` (a file exported as one object a line)."""
+    (tmp_path / "pairs.json").write_text('{"source": "Yes", "target": "Ja"}\n{"source": "No", "target": "Nein"}\n')
+    rows = read_parallel_file(tmp_path / "pairs.json")
+    assert [(r["source"], r["target"]) for r in rows] == [("Yes", "Ja"), ("No", "Nein")]
+
+
+def test_a_docstring_exactly_at_the_source_cap_is_kept(tmp_path):
+    """The cap is a maximum: a docstring of exactly ``max_source_chars`` characters is kept, one more is dropped."""
+    (tmp_path / "m.py").write_text("def f(x):\n    '''Doubles x.'''\n    return 2 * x\n\n\n"
+                                   "def g(x):\n    '''Triples x!!'''\n    return 3 * x\n")
+    corpus = build_codegen_corpus([tmp_path], use_cache=False, max_source_chars=len("Doubles x."))
+    assert [row["source"] for split in corpus.values() for row in split] == ["Doubles x."]
+
+
+def test_gettext_skip_report_names_empty_and_format_only_entries(tmp_path, caplog):
+    """The log says why entries were dropped, under the reasons the builder's docstring lists."""
+    import logging
+
+    mo = write_mo(tmp_path / "app.mo", {"Open file": "Datei öffnen", "%s: %s": "%s: %s", "Untranslated": ""})
+    with caplog.at_level(logging.WARNING):
+        build_gettext_corpus(catalog_files=[mo], use_cache=False)
+    assert "'empty': 1" in caplog.text and "'format-only': 1" in caplog.text
+
+
+def test_gettext_reads_the_system_locale_folder_by_default():
+    """Without ``locale_dir`` the catalogs come from ``/usr/share/locale`` (where Debian installs them)."""
+    with pytest.raises(ValueError, match="/usr/share/locale/xx-none/LC_MESSAGES does not exist"):
+        build_gettext_corpus("xx-none")
+
+
+def test_english_sentences_keeps_four_words_in_five_and_reads_on_after_a_rejected_one():
+    """A sentence is kept when at least 80% of its words have letters (4 of 5 exactly is enough), and a rejected
+    sentence does not end the scan of the text."""
+    from flexformers.training_scripts.data import english_sentences
+
+    text = "Numbers 1 2 3 4 here. Keep the 5 items here. Then read this one too."
+    assert list(english_sentences([text], min_words=4, max_words=30)) == [
+        "Keep the 5 items here.", "Then read this one too."]

@@ -606,3 +606,20 @@ def test_rbf_kernel_of_sigma_zero_is_made_on_the_given_device():
     """σ = 0 (the identity) is made on the device asked for, like σ > 0 ("meta" stands in for an accelerator)."""
     assert rbf_kernel(3, 0.0, device=torch.device("meta")).is_meta
     assert rbf_kernel(3, 1.0, device=torch.device("meta")).is_meta
+
+
+def test_token_halting_loss_with_the_correctness_oracle_uses_the_oracles_lambda():
+    """With the correctness oracle (Eq. 16-17) the token halting target also pays the config's λ per block: a token
+    only the deepest classifier gets right exits there with λ = 0, and at block 1 with a large λ."""
+    generator = torch.Generator().manual_seed(1)
+    states = [torch.randn(2, 4, 8, generator=generator) for _ in range(3)]
+    exit_logits = [torch.randn(2, 4, 40, generator=generator) for _ in range(3)]
+    labels = torch.randint(4, 40, (2, 4), generator=generator)
+    labels[0, 1] = exit_logits[2][0, 1].argmax()
+    assert exit_logits[0][0, 1].argmax() != labels[0, 1] and exit_logits[1][0, 1].argmax() != labels[0, 1]
+    exits = {}
+    for lam in (0.0, 50.0):
+        model = tiny_depth_adaptive(halting_mechanism="token_multinomial", oracle="correctness", oracle_lambda=lam)
+        with torch.no_grad():
+            exits[lam] = model.halting_loss(states, exit_logits, labels, None, None)[1]
+    assert exits[0.0][0, 1] == 3 and exits[50.0][0, 1] == 1

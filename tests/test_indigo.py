@@ -339,6 +339,21 @@ def test_relative_bias_matches_equation_7(model):
     assert torch.allclose(bias, expected, atol=1e-5)
 
 
+def test_relative_bias_of_a_subset_of_rows_reads_those_rows_relations(model):
+    """Eq. 7's bias for the rows a sub-layer step computes (`rows`, a subset of the batch) takes each row's own
+    relative positions: it equals the whole batch's bias at those rows (one shared relation matrix is broadcast)."""
+    attention = model.model.decoder.layers[0].self_attn
+    torch.manual_seed(2)
+    query = torch.randn(3, 4, 5, 8)
+    relations = relative_positions_from_absolute(torch.stack([torch.randperm(5) for _ in range(3)]))
+    rows = torch.tensor([2, 0])
+    whole = attention.relative_position_bias(query, relative_positions=relations)
+    subset = attention.relative_position_bias(query[rows], rows=rows, relative_positions=relations)
+    torch.testing.assert_close(subset, whole[rows])
+    shared = attention.relative_position_bias(query[rows], rows=rows, relative_positions=relations[:1])
+    torch.testing.assert_close(shared, attention.relative_position_bias(query[rows], relative_positions=relations[:1]))
+
+
 def test_decoder_has_no_absolute_positions_and_depends_on_relations(model, source):
     assert model.model.decoder.embed_positions is None
     encoder = model.model.encoder(source[:1]).last_hidden_state

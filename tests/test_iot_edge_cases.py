@@ -752,3 +752,66 @@ def test_order_statistics_start_on_the_host_even_under_a_device_context():
     with torch.device("meta"):
         statistics = IOTOrderStatistics(config, encoder_predictor=True, decoder_predictor=True)
     assert {value.device.type for value in statistics.sums.values()} == {"cpu"}
+
+
+# ---- issue 65, round 5 ----------------------------------------------------------------------------------------
+
+
+def test_outside_encoder_outputs_get_the_decoder_orders_their_input_ids_give():
+    """Encoder outputs computed elsewhere (a tuple, or an IOT output without decoder orders) get Eq. 4's decoder
+    order predicted over the sentence's real tokens: with only `input_ids`, the padding mask comes from the pad id,
+    so the probabilities equal the model's own encoding's; an encoder order already chosen is kept; a fixed decoder
+    order has no probabilities."""
+    from flexformers.modeling.modeling_iot import IOTEncoderOutput
+
+    model = tiny_iot(encoder_orders=[1, 2], decoder_orders=[1, 2, 3]).eval()
+    diverse_predictors(model)
+    input_ids, mask, labels = batch()
+    with torch.no_grad():
+        own = model.encode_with_orders(input_ids, mask)
+        from_ids = model(input_ids=input_ids, encoder_outputs=(own.last_hidden_state,), labels=labels)
+        unmasked = model(encoder_outputs=(own.last_hidden_state,), labels=labels)
+        partial = IOTEncoderOutput(last_hidden_state=own.last_hidden_state, encoder_order_index=own.encoder_order_index)
+        kept = model(input_ids=input_ids, encoder_outputs=partial, labels=labels)
+    torch.testing.assert_close(from_ids.decoder_order_probs, own.decoder_order_probs)
+    assert not torch.allclose(unmasked.decoder_order_probs, own.decoder_order_probs)  # padding changes the mean here
+    assert torch.equal(kept.encoder_order_index, own.encoder_order_index)
+    assert torch.equal(kept.decoder_order_index, own.decoder_order_index)
+    fixed = tiny_iot(encoder_orders=[1, 2], decoder_orders=[3]).eval()
+    with torch.no_grad():
+        fixed_output = fixed(input_ids=input_ids, encoder_outputs=(own.last_hidden_state,), labels=labels)
+    assert fixed_output.decoder_order_probs is None and fixed_output.decoder_order_index.tolist() == [0] * len(labels)
+
+
+def test_sorted_generation_reorders_cache_rows_on_the_caches_device_and_leaves_empty_caches_alone():
+    """A returned cache is put back in the caller's order on the device its keys live on (the meta device stands in
+    for a GPU; the positions come from the host), and a cache with no layers yet (a cross-attention cache before
+    its first step) is returned as it is."""
+    from transformers import DynamicCache, EncoderDecoderCache
+
+    from flexformers.modeling.iot_generation import _reorder_rows
+
+    positions = torch.tensor([2, 0, 1])
+    self_attention = DynamicCache()
+    keys = torch.arange(6.0).view(6, 1, 1, 1)  # two rows per sentence
+    self_attention.update(keys, keys.clone(), 0)
+    cache = _reorder_rows(EncoderDecoderCache(self_attention, DynamicCache()), positions, 3)
+    assert cache.self_attention_cache.layers[0].keys.flatten().tolist() == [4.0, 5.0, 0.0, 1.0, 2.0, 3.0]
+    assert cache.cross_attention_cache.layers == []
+    on_device = DynamicCache()
+    on_device.update(torch.zeros(6, 1, 1, 1, device="meta"), torch.zeros(6, 1, 1, 1, device="meta"), 0)
+    assert _reorder_rows(on_device, positions, 3).layers[0].keys.device.type == "meta"
+
+
+def test_a_scattered_row_plan_indexes_rows_on_the_order_index_device():
+    """Rows of one sub-layer step that form more blocks than a split can take are gathered with an index on the
+    order index's device (the meta device stands in for a GPU), built from the host-side row layout."""
+    orders = [("self_attn", "ffn"), ("ffn", "self_attn")]
+    layout = [(0, 1), (1, 1), (0, 1), (1, 1), (0, 1)]
+    for device in ("cpu", "meta"):
+        plan = PerRowSublayerOrder.from_row_blocks(layout, orders, device=device).stage_plan
+        gathered = [rows for step in plan for _, rows in step if isinstance(rows, torch.Tensor)]
+        assert gathered and all(rows.device.type == device for rows in gathered)
+    cpu_plan = PerRowSublayerOrder.from_row_blocks(layout, orders).stage_plan
+    assert [(name, rows.tolist()) for step in cpu_plan for name, rows in step if isinstance(rows, torch.Tensor)] == [
+        ("ffn", [1, 3]), ("ffn", [0, 2, 4])]  # the self-attention between them runs once per block

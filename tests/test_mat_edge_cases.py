@@ -4,6 +4,7 @@ baseline, at the boundaries the mutation runs (issue 65) found untested."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -594,3 +595,35 @@ def test_old_layout_detection_ignores_anything_that_is_not_a_path(folder):
     """`from_pretrained(None, config=..., state_dict=...)` and other non-path arguments have no checkpoint folder to
     read: no upgrade is needed, and none is looked for."""
     assert branch_merge.old_layout_checkpoint_keys(folder) == {}
+
+
+# ---- issue 65, round 5 ----------------------------------------------------------------------------------------
+
+
+def test_proximal_initialisation_names_the_baseline_tensor_whose_shape_cannot_be_cloned(baseline_dir):
+    """A baseline state whose tensor (a weight, or the bias a merge's per-branch biases come from) has a shape no
+    branch layout explains is refused naming that tensor."""
+    from flexformers.modeling.modeling_mat import clone_state_dict_into_branches
+
+    mat = MATForConditionalGeneration(MATConfig(**TINY, encoder_attention_branches=2, decoder_attention_branches=2))
+    source = FlexformerForConditionalGeneration.from_pretrained(baseline_dir).state_dict()
+    assert clone_state_dict_into_branches(mat, source, "The baseline").keys() == mat.state_dict().keys()
+    for name, named in [("model.encoder.layers.0.ffn.fc1.weight", "model.encoder.layers.0.ffn.fc1.weight"),
+                        ("model.encoder.layers.0.self_attn.out_proj.bias",
+                         "model.encoder.layers.0.self_attn.out_proj_branch_bias")]:
+        assert name in source and named in mat.state_dict()
+        broken = dict(source, **{name: torch.zeros(5, 7)})
+        with pytest.raises(ValueError, match=re.escape(f"Cannot clone baseline tensor '{named}'")):
+            clone_state_dict_into_branches(mat, broken, "The baseline")
+
+
+def test_drop_branch_training_keeps_a_half_precision_model_in_its_dtype(batch):
+    """The drop-branch merge weights are made in the model's dtype: a bfloat16 model trains in bfloat16 with ρ > 0
+    (weights in float32 would promote the merged states and break the next bfloat16 projection)."""
+    torch.manual_seed(0)
+    config = MATConfig(**TINY, encoder_attention_branches=2, decoder_attention_branches=2, drop_branch_rate=0.3)
+    model = MATForConditionalGeneration(config).to(torch.bfloat16).train()
+    output = model(**batch, output_hidden_states=True)
+    assert output.encoder_last_hidden_state.dtype == torch.bfloat16
+    assert output.logits.dtype == torch.bfloat16 and torch.isfinite(output.loss)
+    output.loss.backward()
