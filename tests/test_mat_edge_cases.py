@@ -627,3 +627,35 @@ def test_drop_branch_training_keeps_a_half_precision_model_in_its_dtype(batch):
     assert output.encoder_last_hidden_state.dtype == torch.bfloat16
     assert output.logits.dtype == torch.bfloat16 and torch.isfinite(output.loss)
     output.loss.backward()
+
+
+def test_a_bert_encoders_layer_norm_epsilon_is_kept_by_its_multi_branch_layers(tmp_path):
+    """The attention output's LayerNorm takes the encoder's `layer_norm_eps` (BERT's 1e-12, here a large 0.5 so the
+    difference shows), not PyTorch's 1e-5: the proximal start equals its encoder only with the encoder's epsilon."""
+    torch.manual_seed(14)
+    base = BertModel(BertConfig(**ENCODER, layer_norm_eps=0.5))
+    base.save_pretrained(tmp_path)
+    base.eval()
+    model = MATBertForSequenceClassification.from_encoder(tmp_path, num_attention_branches=2).eval()
+    assert model.bert.encoder.layer[0].attention.output.LayerNorm.eps == 0.5
+    input_ids, mask = _encoder_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model.bert(input_ids, attention_mask=mask).last_hidden_state,
+            base(input_ids, attention_mask=mask).last_hidden_state, atol=1e-5, rtol=1e-5,
+        )
+
+
+def test_registering_the_mat_classifiers_again_is_harmless():
+    """`register_mat_classifiers` runs at import; a second call (a reload, a notebook re-running its imports) must not
+    raise and keeps the same classes behind the Auto classes. (Its `exist_ok=True` is not what makes this pass:
+    Transformers refuses only its own config classes; see benchmarks/mutation_equivalent.json.)"""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from flexformers.modeling.modeling_mat import register_mat_classifiers
+
+    register_mat_classifiers()
+    register_mat_classifiers()
+    config = MATRobertaConfig(**ENCODER)
+    assert type(AutoConfig.for_model("mat_roberta", **ENCODER)) is MATRobertaConfig
+    assert type(AutoModelForSequenceClassification.from_config(config)) is MATRobertaForSequenceClassification
