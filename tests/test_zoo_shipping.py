@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from flexformers.training_scripts import zoo, zoo_recipes, zoo_shipping
+from flexformers.training_scripts import decode, zoo, zoo_recipes, zoo_shipping
 from flexformers.training_scripts.zoo_shipping import (
     CARD_SECTION,
     SHIP_RECORD,
@@ -37,6 +40,43 @@ SHIPPED = shipped_folders(REPOSITORY / zoo_shipping.DEFAULT_SHIPPED_DIR)
 def test_the_shipped_models_stay_within_the_size_limit():
     total = sum(zoo_shipping.folder_bytes(folder) for folder in SHIPPED)
     assert total <= zoo_shipping.SHIPPED_SIZE_LIMIT, f"{total / 2**20:.1f} MiB shipped"
+
+
+def readme_trained_model_snippet() -> tuple[str, str]:
+    """The README's "Use a trained model" Python snippet and the output block it says the snippet prints."""
+    section = (REPOSITORY / "README.md").read_text().split("## Use a trained model", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```(\w*)\n(.*?)```", section, flags=re.S)
+    code = next(body for language, body in blocks if language == "python")
+    printed = next(body for language, body in blocks if language == "text")
+    return code, printed
+
+
+@pytest.mark.slow
+def test_the_readme_snippet_prints_a_translation_and_a_recovered_sentence_without_training():
+    """Issue 64's "done when": the README's snippet, run from a fresh clone's root in an environment with only
+    torch, transformers, tokenizers and safetensors, prints what the README says it prints."""
+    code, printed = readme_trained_model_snippet()
+    assert "import flexformers" not in code
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONHOME")}
+    result = subprocess.run([str(clean_venv_python()), "-c", code], cwd=REPOSITORY, env=env, capture_output=True,
+                            text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines() == printed.strip().splitlines()
+    assert len(printed.strip().splitlines()) == 2  # a translation and a recovered sentence
+
+
+@pytest.mark.parametrize("folder", SHIPPED, ids=[folder.name for folder in SHIPPED])
+def test_a_shipped_model_carries_the_corpus_options_of_its_recipe(folder):
+    """`flexformers-decode --model_name_or_path <shipped folder>` needs no --task: the folder says what it was
+    trained on, and nothing in it names a file of the machine that trained it."""
+    record = json.loads((folder / SHIP_RECORD).read_text())
+    decode_args, data_args = decode.parse_arguments(["--model_name_or_path", str(folder), "--text", "x"])
+    settings = record["recipe"]["task_settings"]
+    assert data_args.task == record["recipe"]["task"]
+    assert (data_args.max_source_length, data_args.max_target_length) == (settings["max_source_length"],
+                                                                         settings["max_target_length"])
+    assert not any(getattr(data_args, name) for name in ("train_file", "validation_file", "test_file"))
+    assert "flexformers_data_args.json" in record["files"]
 
 
 @pytest.mark.slow
@@ -81,8 +121,15 @@ def test_ship_copies_the_export_measures_storage_and_proves_the_card(smoke_run, 
     assert json.loads((folder / SHIP_RECORD).read_text()) == record
     assert record["files"] == sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
     assert not (folder / ".flexformers-export.json").exists()
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "README.md"):
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "README.md",
+                 "flexformers_data_args.json"):
         assert (folder / name).is_file(), name
+    # flexformers-decode on the shipped folder decodes as the zoo did, without --task: word order's outputs are
+    # permutations of the input's words
+    decode_args, data_args = decode.parse_arguments(["--model_name_or_path", str(folder), "--text", "b a c a"])
+    assert data_args.task == "word_order" and data_args.max_target_length == recipe.task_settings["max_target_length"]
+    (hypothesis,) = decode.run(decode_args, data_args)["hypotheses"]
+    assert sorted(hypothesis.split()) == ["a", "a", "b", "c"]
 
     storage = record["storage"]
     assert storage["examples"] == 40 and isinstance(storage["float32_bleu"], float)

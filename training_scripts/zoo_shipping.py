@@ -184,6 +184,7 @@ def ship_recipe(recipe: ZooRecipe, runs_dir: Path, shipped_dir: Path, replace: b
 
     ``measure_examples`` limits the half-precision measurement to the first test examples (default: all);
     ``allow_smoke`` ships a smoke run (tests only: its card says so)."""
+    from flexformers.training_scripts.arguments import DATA_ARGS_FILE
     from flexformers.training_scripts.decode import score_hypotheses
     from flexformers.training_scripts.export_to_hub import EXPORT_MARKER
     from flexformers.training_scripts.slice_decoding import SLICE_BATCH_SIZE
@@ -213,6 +214,10 @@ def ship_recipe(recipe: ZooRecipe, runs_dir: Path, shipped_dir: Path, replace: b
         shutil.copytree(hub_dir, folder)
         # the export's marker names the run folder on this machine; the ship record marks a shipped folder instead
         (folder / EXPORT_MARKER).unlink(missing_ok=True)
+        # the corpus options it was trained with (the zoo's corpora are built from what a machine has, no paths of
+        # this one): `flexformers-decode` on the shipped folder then decodes as the zoo did — its task, lengths and
+        # word order's permutation constraint — without the user naming them
+        shutil.copy2(output_dir / DATA_ARGS_FILE, folder / DATA_ARGS_FILE)
         float32_bleu = score_hypotheses(sources[:measured], references[:measured],
                                         _decode_folder(folder, sources[:measured]), is_code)["metrics"]["bleu"]
         half = staging / "float16"
