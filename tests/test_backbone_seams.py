@@ -271,6 +271,35 @@ def test_collector_writes_an_all_rows_stage_in_place_into_the_preallocated_cache
     assert layer.get_seq_length() == 3
 
 
+@pytest.mark.parametrize("cache_kind", ["preallocated", "dynamic"])
+def test_collector_mixes_a_block_of_rows_and_a_row_tensor_in_one_step(cache_kind):
+    """A step whose rows come partly as a contiguous block (`slice`) and partly as a row tensor: the rows after the
+    block attend over the block's buffer (past + new), and the flushed cache equals one full-batch step."""
+    model = tiny_model()
+    with torch.no_grad():
+        preallocated, dynamic = _cache_after_steps_and_a_copy(model, 2)
+        cache = preallocated if cache_kind == "preallocated" else dynamic
+        reference = DynamicCache()
+        past = cache.self_attention_cache.layers[0]
+        reference.update(past.keys.clone(), past.values.clone(), 0)
+        attention = model.model.decoder.layers[0].self_attn
+        keys, values = attention.project_key_value(torch.randn(3, 1, 32))
+        reference.update(keys, values, 0)
+        expected = reference.layers[0]
+        collector = StepKVCollector(cache.self_attention_cache, 0, 3)
+        block_keys, _, block_past = collector.extend(slice(0, 2), keys[:2], values[:2])
+        row_keys, row_values, row_past = collector.extend(torch.tensor([2]), keys[2:], values[2:])
+        assert block_past == row_past == 2
+        torch.testing.assert_close(block_keys, expected.keys[:2], rtol=0, atol=0)
+        torch.testing.assert_close(row_keys, expected.keys[2:], rtol=0, atol=0)
+        torch.testing.assert_close(row_values, expected.values[2:], rtol=0, atol=0)
+        collector.flush()
+    written = cache.self_attention_cache.layers[0]
+    assert written.get_seq_length() == 3
+    torch.testing.assert_close(written.keys, expected.keys, rtol=0, atol=0)
+    torch.testing.assert_close(written.values, expected.values, rtol=0, atol=0)
+
+
 def test_whole_groups_recognises_all_beams_of_some_sentences():
     from flexformers.modeling.kv_caches import whole_groups
 
