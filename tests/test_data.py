@@ -697,3 +697,31 @@ def test_english_sentences_keeps_four_words_in_five_and_reads_on_after_a_rejecte
     text = "Numbers 1 2 3 4 here. Keep the 5 items here. Then read this one too."
     assert list(english_sentences([text], min_words=4, max_words=30)) == [
         "Keep the 5 items here.", "Then read this one too."]
+
+
+def test_a_txt_file_is_tab_separated_and_keeps_its_first_letter_after_a_bom_and_its_unterminated_last_line(tmp_path):
+    """A `.txt` file is read as TSV; only the byte-order mark goes from the first line (not a leading letter), and a
+    last line without a newline is a record even when a blank line comes before it."""
+    path = tmp_path / "pairs.txt"
+    path.write_bytes("\ufeffXylophone\tXylofon\n\nYes\tJa".encode())
+    rows = read_parallel_file(path, "0", "1")
+    assert [(row["source"], row["target"], row["origin"]) for row in rows] == [
+        ("Xylophone", "Xylofon", "pairs.txt:1"), ("Yes", "Ja", "pairs.txt:3")]
+
+
+def test_codegen_cache_is_keyed_on_the_target_length_cap_and_on_strictness(tmp_path):
+    """A cached corpus is reused only for the same options: a smaller `max_target_chars` drops the long function, and
+    `strict=True` refuses the unparseable file even after a lenient build of the same folder was cached."""
+    sources = tmp_path / "src"
+    sources.mkdir()
+    (sources / "a.py").write_text("def short(x):\n    '''Short one.'''\n    return x\n\n\n"
+                                  "def long(x):\n    '''Long one.'''\n    return " + "x + " * 60 + "x\n")
+    cache = tmp_path / "cache-dir"
+    every = build_codegen_corpus([sources], cache_dir=cache)
+    assert sorted(row["source"] for split in every.values() for row in split) == ["Long one.", "Short one."]
+    capped = build_codegen_corpus([sources], cache_dir=cache, max_target_chars=100)
+    assert [row["source"] for split in capped.values() for row in split] == ["Short one."]
+    (sources / "broken.py").write_text("def f(:\n    pass\n")
+    build_codegen_corpus([sources], cache_dir=cache)
+    with pytest.raises(ValueError, match="broken.py: cannot parse"):
+        build_codegen_corpus([sources], cache_dir=cache, strict=True)
