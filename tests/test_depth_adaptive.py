@@ -399,6 +399,29 @@ def test_copied_state_cache_operations_commute_with_completing_it(operation):
         torch.testing.assert_close(deferred_layer.values, eager_layer.values, rtol=1e-5, atol=1e-6)
 
 
+def test_a_cropped_cache_with_recorded_states_decodes_on_like_the_eager_one():
+    """Assisted decoding crops the cache and decodes on from there: after `crop`, new steps that exit early record
+    their copied states at the cropped positions, and completing the cache gives what eager projection writes."""
+    model = make_model(seed=5)
+    source, _ = make_batch()
+    deferred, eager = _deferred_cache_after_steps(model, source)
+    encoder_outputs = model.get_encoder()(input_ids=source)
+    for cache in (deferred, eager):
+        cache.crop(-2)
+        assert cache.get_seq_length() == 2
+        tokens = torch.full((source.shape[0], 1), 7)
+        with torch.no_grad():
+            for exit_block in (1, 2):
+                model(encoder_outputs=encoder_outputs, attention_mask=source.ne(PAD).long(), decoder_input_ids=tokens,
+                      past_key_values=cache, use_cache=True, exit_strategy="fixed", fixed_exit=exit_block)
+                tokens = tokens + 1
+        assert cache.get_seq_length() == 4
+    model.model.decoder.complete_copied_states(deferred)
+    for deferred_layer, eager_layer in zip(deferred.self_attention_cache.layers, eager.self_attention_cache.layers):
+        torch.testing.assert_close(deferred_layer.keys, eager_layer.keys, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(deferred_layer.values, eager_layer.values, rtol=1e-5, atol=1e-6)
+
+
 def test_generate_honours_generation_config_and_returns_exits_with_dict_outputs():
     model = make_model(seed=3, halting_mechanism="token_geometric")
     source, target = make_batch()

@@ -319,6 +319,10 @@ def test_token_oracles_default_to_the_unsmoothed_unpenalised_equations():
     assert token_likelihood_oracle(token_ll, mask, 1.0).tolist() == [[2, 2]]
     correct = torch.tensor([[[True, False], [False, True], [False, True]]])
     assert token_correctness_oracle(correct, torch.ones(1, 3, dtype=torch.bool)).tolist() == [[1, 2, 2]]
+    # t1 right at both blocks (a tie: the shallower exit); σ = 1 would add its neighbours' block-2 hits → 2.
+    tie = torch.tensor([[[True, True], [False, True], [False, True]]])
+    assert token_correctness_oracle(tie, torch.ones(1, 3, dtype=torch.bool)).tolist() == [[1, 2, 2]]
+    assert token_correctness_oracle(tie, torch.ones(1, 3, dtype=torch.bool), 1.0).tolist() == [[2, 2, 2]]
     # λ defaults to 0: LL^n = (-11, -3) → 2 even though λ = 10 would pick block 1.
     assert sequence_likelihood_oracle(token_ll, mask).tolist() == [2]
     assert sequence_correctness_oracle(correct, torch.ones(1, 3, dtype=torch.bool)).tolist() == [2]

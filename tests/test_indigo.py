@@ -184,6 +184,8 @@ def test_collator_targets_replay_to_the_reference(targets, order, seed):
         assert tokens[:2] == [0, 2] and all(t == 1 for t in tokens[n + 2:])
         assert labels[0] == -100 and labels[1 : n + 1] == tokens[2 : n + 2] and labels[n + 1] == 4  # <eod> last
         assert sorted(tokens[2 : n + 2]) == sorted(target)
+        # Only the n word insertions have a position target; <s>, <eod> and padding carry the ignore index.
+        assert all(pointers[i] == [-100, -100] for i in range(len(pointers)) if not 1 <= i <= n)
         # Either of the two equivalent pointer targets (Eq. 11) rebuilds the reference.
         for anchor_column, side in ((0, RIGHT), (1, LEFT)):
             anchors = [pointers[step + 1][anchor_column] for step in range(n)]

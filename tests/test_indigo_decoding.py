@@ -481,3 +481,25 @@ def test_early_stopping_false_ends_when_transformers_heuristic_says_so(early_end
             )
         assert len(output.scores) == steps
         torch.testing.assert_close(output.sequences_scores[-3:], torch.tensor(scores), atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: a CPU run cannot tell devices apart")
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_insertion_decoding_and_its_transition_scores_on_a_gpu_match_the_cpu(num_beams):
+    """Greedy and beam insertion decoding on a CUDA model, and `compute_transition_scores` of its outputs, build
+    every index on the model's device and return what the CPU returns (issue 65: `_beam_search`'s and
+    `compute_transition_scores`' device arguments, which the CPU suite cannot see)."""
+    results = []
+    for device in ("cpu", "cuda"):
+        model = tiny_model(7).to(device).eval()
+        with torch.no_grad():
+            output = model.generate(SOURCE.to(device), max_new_tokens=6, num_beams=num_beams,
+                                    return_dict_in_generate=True, output_scores=True)
+        beam_indices = output.beam_indices if num_beams > 1 else None
+        transition = model.compute_transition_scores(output.insertion_ids, output.scores, beam_indices,
+                                                     normalize_logits=num_beams == 1)
+        assert transition.device.type == device
+        results.append((output.sequences.cpu(), transition.cpu()))
+    (cpu_sequences, cpu_transition), (gpu_sequences, gpu_transition) = results
+    assert torch.equal(gpu_sequences, cpu_sequences)
+    torch.testing.assert_close(gpu_transition, cpu_transition, atol=1e-4, rtol=1e-4)

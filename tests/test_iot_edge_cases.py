@@ -508,22 +508,30 @@ def test_generation_cache_comes_back_in_input_order(options):
             torch.testing.assert_close(sentence, theirs.keys, atol=1e-5, rtol=0)
 
 
-def test_training_outputs_of_one_decoder_pass_per_path_equal_the_stacked_pass():
+@pytest.mark.parametrize("decoder_padding_mask", [False, True])
+def test_training_outputs_of_one_decoder_pass_per_path_equal_the_stacked_pass(decoder_padding_mask):
     """`batch_order_paths=False` (one decoder pass per path) returns what the stacked pass returns — loss, path
     losses, logits and each sentence's chosen-path hidden states and attention weights (checked against forced
-    eval passes above)."""
+    eval passes above) —, also with a decoder padding mask, which the stacked pass repeats for every path."""
     outputs = []
     for batch_paths in (True, False):
         model = tiny_iot(encoder_orders=[1, 2], decoder_orders=[1, 2, 4, 6], label_smoothing=0.1,
                          batch_order_paths=batch_paths)
         diverse_predictors(model)
         input_ids, mask, labels = batch()
+        decoder_mask = {}
+        if decoder_padding_mask:  # row 1's labels end at 4: its decoder inputs 5 and 6 are padding
+            decoder_mask["decoder_attention_mask"] = torch.ones_like(labels)
+            decoder_mask["decoder_attention_mask"][1, 5:] = 0
         model.train()
         torch.manual_seed(5)
         with torch.no_grad():
             outputs.append(model(input_ids=input_ids, attention_mask=mask, labels=labels, output_hidden_states=True,
-                                 output_attentions=True))
+                                 output_attentions=True, **decoder_mask))
     stacked, separate = outputs
+    if decoder_padding_mask:  # the mask reached the decoder: the padded positions attend to fewer keys
+        assert stacked.decoder_attentions[0][1, :, 6, 5:].abs().sum() == 0
+        assert stacked.decoder_attentions[0][0, :, 6, 5:].abs().sum() > 0
     for name in ("loss", "path_losses", "logits", "encoder_last_hidden_state", "encoder_confidences",
                  "decoder_confidences"):
         torch.testing.assert_close(getattr(separate, name), getattr(stacked, name), atol=1e-5, rtol=0)
@@ -815,3 +823,27 @@ def test_a_scattered_row_plan_indexes_rows_on_the_order_index_device():
     cpu_plan = PerRowSublayerOrder.from_row_blocks(layout, orders).stage_plan
     assert [(name, rows.tolist()) for step in cpu_plan for name, rows in step if isinstance(rows, torch.Tensor)] == [
         ("ffn", [1, 3]), ("ffn", [0, 2, 4])]  # the self-attention between them runs once per block
+
+
+# ---- issue 65, round 7: the held-out sample's (seed 5) survivors ----
+
+
+def test_reordering_a_cache_on_an_accelerator_builds_the_row_index_there():
+    """Sorting the sentences of a generation back (`_reorder_rows`) with the cache and the sentence order on an
+    accelerator (the meta device stands in for one) builds the row index on that device: an index built on the CPU
+    cannot be combined with the sentence order. On the CPU, block i of the rows moves to block
+    sentence_positions[i]."""
+    from transformers import DynamicCache
+
+    from flexformers.modeling.iot_generation import _reorder_rows
+
+    cache = DynamicCache()
+    keys = torch.arange(4.0)[:, None, None, None].expand(4, 1, 2, 3).clone()  # two rows per sentence
+    cache.update(keys, keys.clone(), 0)
+    _reorder_rows(cache, torch.tensor([1, 0]), 2)
+    assert cache.layers[0].keys[:, 0, 0, 0].tolist() == [2.0, 3.0, 0.0, 1.0]
+
+    meta = torch.device("meta")
+    cache = DynamicCache()
+    cache.update(torch.zeros(4, 1, 2, 3, device=meta), torch.zeros(4, 1, 2, 3, device=meta), 0)
+    assert _reorder_rows(cache, torch.tensor([1, 0], device=meta), 2).layers[0].keys.device == meta

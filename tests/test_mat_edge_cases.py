@@ -659,3 +659,30 @@ def test_registering_the_mat_classifiers_again_is_harmless():
     config = MATRobertaConfig(**ENCODER)
     assert type(AutoConfig.for_model("mat_roberta", **ENCODER)) is MATRobertaConfig
     assert type(AutoModelForSequenceClassification.from_config(config)) is MATRobertaForSequenceClassification
+
+
+# ---- issue 65, round 7: the held-out sample's (seed 5) survivors ----
+
+
+def test_a_baseline_config_that_leaves_the_branch_counts_at_their_default_is_a_baseline(baseline_dir, tmp_path):
+    """A flexformer config.json without the branch-count fields (written by hand, or by a version that did not
+    write defaults) describes the single-branch baseline: the counts default to 1, so proximal initialisation
+    accepts it and starts from the same weights."""
+    import shutil
+
+    folder = tmp_path / "baseline"
+    shutil.copytree(baseline_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    for name in ("encoder_attention_branches", "decoder_attention_branches", "encoder_ffn_branches",
+                 "decoder_ffn_branches"):
+        config.pop(name, None)
+    (folder / "config.json").write_text(json.dumps(config))
+    assert FlexformerForConditionalGeneration.from_pretrained(folder).config.encoder_attention_branches == 1
+    torch.manual_seed(3)
+    from_stripped = MATForConditionalGeneration.from_baseline(folder, encoder_attention_branches=2)
+    torch.manual_seed(3)
+    from_saved = MATForConditionalGeneration.from_baseline(baseline_dir, encoder_attention_branches=2)
+    stripped_state, saved_state = from_stripped.state_dict(), from_saved.state_dict()
+    assert stripped_state.keys() == saved_state.keys()
+    for key, tensor in saved_state.items():
+        assert torch.equal(stripped_state[key], tensor), key
