@@ -261,7 +261,11 @@ def test_user_file_bad_lines_can_be_skipped_and_counted(tmp_path, caplog):
 
 def test_escape_line_roundtrip():
     text = "def f():\n\treturn '\\\\n'\r"
-    assert "\n" not in escape_line(text) and unescape_line(escape_line(text)) == text
+    escaped = escape_line(text)
+    # no line break of any kind is left (a reader with universal newlines splits on a lone \r too), and no tab (the
+    # TSV separator)
+    assert not {"\n", "\r", "\t"} & set(escaped) and unescape_line(escaped) == text
+    assert escape_line("a\rb") == "a\\rb"
 
 
 # ------------------------------------------------------------------------------- surviving mutants (issue 65)
@@ -725,3 +729,30 @@ def test_codegen_cache_is_keyed_on_the_target_length_cap_and_on_strictness(tmp_p
     build_codegen_corpus([sources], cache_dir=cache)
     with pytest.raises(ValueError, match="broken.py: cannot parse"):
         build_codegen_corpus([sources], cache_dir=cache, strict=True)
+
+
+# ---- issue 65, round 8: the held-out sample's (seed 6) survivors
+
+
+def test_train_and_test_files_without_a_validation_file_validate_on_the_test_file(tmp_path):
+    (tmp_path / "train.tsv").write_text("source\ttarget\nHello\tHallo\nGood day\tGuten Tag\n")
+    (tmp_path / "test.tsv").write_text("source\ttarget\nYes\tJa\n")
+    corpus = load_parallel_files(tmp_path / "train.tsv", test_file=tmp_path / "test.tsv")
+    assert corpus["validation"]["source"] == corpus["test"]["source"] == ["Yes"]
+    assert corpus["train"]["source"] == ["Hello", "Good day"]
+
+
+@pytest.mark.parametrize("name, header", [("twice.csv", "source,source,target"), ("twice.tsv", "source\ttarget\ttarget")])
+def test_a_header_that_names_a_column_twice_is_refused(tmp_path, name, header):
+    """Which of two equally named columns is meant cannot be told: taking the first could train on the wrong text."""
+    separator = "," if name.endswith(".csv") else "\t"
+    (tmp_path / name).write_text(header + "\n" + separator.join("abc") + "\n")
+    column = header.split(separator)[1]
+    with pytest.raises(ValueError, match=f"{name}, line 1: the header names column '{column}' twice"):
+        read_parallel_file(tmp_path / name)
+
+
+def test_a_line_that_is_not_utf8_names_the_offending_byte(tmp_path):
+    (tmp_path / "latin.tsv").write_bytes(b"source\ttarget\nok\tgut\nB\xe4r\tbear\n")
+    with pytest.raises(ValueError, match=r"latin.tsv, line 3: not valid UTF-8 \(byte 1: b'\\xe4'\)"):
+        read_parallel_file(tmp_path / "latin.tsv")

@@ -371,18 +371,25 @@ def _deferred_cache_after_steps(model, source, steps=4):
     return caches
 
 
-@pytest.mark.parametrize("operation", ["crop", "select", "repeat", "reorder", "reorder-select-reorder"])
+@pytest.mark.parametrize("operation", ["crop", "crop-one", "select", "repeat", "repeat-reorder", "reorder",
+                                       "reorder-select-reorder"])
 def test_copied_state_cache_operations_commute_with_completing_it(operation):
     """Cropping, selecting/repeating rows or reordering beams of a cache with recorded copied states, then
-    completing it, gives the eager cache with the same operation applied."""
+    completing it, gives the eager cache with the same operation applied (and a crop leaves the length asked for)."""
     model = make_model(seed=5)
     source, _ = make_batch()
     deferred, eager = _deferred_cache_after_steps(model, source)
     assert deferred.self_attention_cache.layers[2].get_seq_length() == 2  # steps 0 and 1 only: the rest deferred
     apply = {
         "crop": lambda cache: cache.crop(-2),
+        "crop-one": lambda cache: cache.crop(-1),  # one token: the lower blocks (all 4 positions) lose one
         "select": lambda cache: cache.batch_select_indices(torch.tensor([2, 0])),
         "repeat": lambda cache: cache.batch_repeat_interleave(2),
+        # rows expanded (for beams), then a beam step: the reorder needs a spare buffer of the expanded size
+        "repeat-reorder": lambda cache: (
+            cache.batch_repeat_interleave(2),
+            cache.self_attention_cache.reorder_cache(torch.tensor([5, 0, 3, 3, 1, 2])),
+        ),
         "reorder": lambda cache: cache.self_attention_cache.reorder_cache(torch.tensor([1, 1, 0])),
         # a beam step, rows dropped, another beam step: the second reorder needs a spare buffer of the new size
         "reorder-select-reorder": lambda cache: (
@@ -393,6 +400,11 @@ def test_copied_state_cache_operations_commute_with_completing_it(operation):
     }[operation]
     apply(deferred)
     apply(eager)
+    if operation.startswith("crop"):
+        expected = 3 if operation == "crop-one" else 2
+        assert deferred.get_seq_length() == eager.get_seq_length() == expected
+        for layer in eager.self_attention_cache.layers:
+            assert layer.get_seq_length() == expected
     model.model.decoder.complete_copied_states(deferred)
     for deferred_layer, eager_layer in zip(deferred.self_attention_cache.layers, eager.self_attention_cache.layers):
         torch.testing.assert_close(deferred_layer.keys, eager_layer.keys, rtol=1e-5, atol=1e-6)

@@ -686,3 +686,31 @@ def test_a_baseline_config_that_leaves_the_branch_counts_at_their_default_is_a_b
     assert stripped_state.keys() == saved_state.keys()
     for key, tensor in saved_state.items():
         assert torch.equal(stripped_state[key], tensor), key
+
+
+# ---- issue 65, round 8: the held-out sample's (seed 6) survivors ----
+
+
+def test_proximal_initialisation_gives_a_mat_config_not_one_that_says_it_is_the_baseline(baseline_dir, tmp_path):
+    """The baseline's config fields seed the new MATConfig, but its `model_type` must not: a config whose instance
+    says "flexformer" would send every lookup by model type (method registry, Auto classes) to the baseline."""
+    mat = MATForConditionalGeneration.from_baseline(baseline_dir)
+    assert mat.config.model_type == "mat"
+    mat.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "mat"
+
+
+@pytest.mark.parametrize("model_class", [MATRobertaForSequenceClassification, MATBertForSequenceClassification])
+def test_a_classifier_from_a_remote_code_encoder_does_not_point_to_its_code(model_class, tmp_path):
+    """An encoder loaded with remote code carries `auto_map` (which files define its classes); the multi-branch
+    classifier built from it is another model, so it must not inherit that map: saved and shared, it would load the
+    encoder's remote classes instead of its own."""
+    torch.manual_seed(30)
+    base_class, config_class = (RobertaModel, RobertaConfig) if model_class is MATRobertaForSequenceClassification \
+        else (BertModel, BertConfig)
+    base = base_class(config_class(**ENCODER))
+    base.config.auto_map = {"AutoModel": "modeling_custom.CustomEncoder"}
+    model = model_class.from_encoder(base, num_attention_branches=2)
+    assert getattr(model.config, "auto_map", None) is None
+    model.save_pretrained(tmp_path)
+    assert "auto_map" not in json.loads((tmp_path / "config.json").read_text())

@@ -400,6 +400,7 @@ def test_a_checkpoint_written_by_another_transformers_version_resumes(tmp_path):
     FlexformerConfig(**tiny_config_kwargs()).save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     saved["transformers_version"] = "4.0.0"
+    saved["_name_or_path"] = "/elsewhere/runs/old"  # Transformers 4 wrote where the model was loaded from
     (tmp_path / "config.json").write_text(json.dumps(saved))
     assert resumed_config_problem(tmp_path, FlexformerConfig(**tiny_config_kwargs())) is None
 
@@ -509,3 +510,16 @@ def test_a_weights_file_without_tensors_is_judged_by_its_header_alone(tmp_path):
     assert safetensors_problem(path) is None
     path.write_bytes(path.read_bytes() + b"\0")
     assert safetensors_problem(path).startswith(f"{path} is truncated or has trailing bytes")
+
+
+# Round 8 mutation survivors (issue 65, seed 6)
+def test_a_staging_folder_is_never_resumed_even_when_its_files_are_all_there(tmp_path):
+    """A save killed after writing every file but before renaming `_tmp-checkpoint-N` to `checkpoint-N` leaves a
+    staging folder that looks complete: `latest` still resumes the last renamed checkpoint and names the staging one
+    as interrupted (the rename is what marks a checkpoint finished)."""
+    out = tmp_path / "run"
+    train.run_from_argv(tiny_argv(out, "--max_steps", "4", *SAVE_EVERY_2))
+    shutil.copytree(out / "checkpoint-4", out / "_tmp-checkpoint-6")
+    chosen, skipped = find_latest_complete_checkpoint(out)
+    assert chosen == str(out / "checkpoint-4")
+    assert skipped == [("_tmp-checkpoint-6", "interrupted while being written")]
