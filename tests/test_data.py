@@ -231,7 +231,8 @@ def test_user_files_tsv_csv_jsonl(tmp_path):
         ("empty.tsv", b"", ("source", "target"), "empty.tsv: file is empty"),
         ("blank.jsonl", b"\n  \n", ("source", "target"), "blank.jsonl: file is empty"),
         ("nocol.tsv", b"src\ttgt\na\tb\n", ("source", "target"), r"nocol.tsv, line 1: header has no column"),
-        ("short.tsv", b"source\ttarget\nonly one field\n", ("source", "target"), r"short.tsv, line 2: missing column"),
+        ("short.tsv", b"source\ttarget\nonly one field\n", ("source", "target"),
+         r"short.tsv, line 2: missing column: expected 2 TSV fields \(as in the header on line 1\), found 1"),
         ("latin.tsv", b"source\ttarget\nok\tgut\nB\xe4r\tbear\n", ("source", "target"), r"latin.tsv, line 3: not valid UTF-8"),
         ("bad.jsonl", b'{"source": "a", "target": "b"}\n{"source": "a",\n', ("source", "target"), r"bad.jsonl, line 2: malformed JSON"),
         ("list.jsonl", b"[1, 2]\n", ("source", "target"), r"list.jsonl, line 1: expected a JSON object"),
@@ -756,3 +757,19 @@ def test_a_line_that_is_not_utf8_names_the_offending_byte(tmp_path):
     (tmp_path / "latin.tsv").write_bytes(b"source\ttarget\nok\tgut\nB\xe4r\tbear\n")
     with pytest.raises(ValueError, match=r"latin.tsv, line 3: not valid UTF-8 \(byte 1: b'\\xe4'\)"):
         read_parallel_file(tmp_path / "latin.tsv")
+
+
+# ---- issue 65, round 9: the held-out data.py sample's (seed 7) survivors
+
+
+def test_gettext_keeps_a_pair_exactly_at_the_length_cap_on_either_side(tmp_path):
+    """`max_chars` is the longest text kept (as the code corpus' caps): a source or target of exactly that many
+    characters stays, one more is dropped."""
+    mo = write_mo(tmp_path / "app.mo", {"Open the file": "Datei öffnen", "Close it": "Das Fenster jetzt schließen",
+                                        "Open the files": "Dateien öffnen"})
+    corpus = build_gettext_corpus(catalog_files=[mo], max_chars=len("Open the file"), use_cache=False)
+    kept = sorted(r["source"] for split in corpus.values() for r in split)
+    assert kept == ["Open the file"]  # 13 characters; "Open the files" (14) and a 27-character target are dropped
+    corpus = build_gettext_corpus(catalog_files=[mo], max_chars=len("Das Fenster jetzt schließen"), use_cache=False)
+    assert sorted(r["source"] for split in corpus.values() for r in split) == ["Close it", "Open the file",
+                                                                               "Open the files"]
