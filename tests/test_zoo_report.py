@@ -98,6 +98,40 @@ def test_depth_adaptive_is_rendered_against_its_full_depth_reference(tmp_path):
     assert (tmp_path / "zoo" / "depth_adaptive_da.png").stat().st_size > 0
 
 
+def test_a_trained_halting_mechanism_is_rendered_beside_the_confidence_exits(tmp_path):
+    """A Depth-Adaptive recipe trained on with a halting mechanism (issue 63's second stage) names no overrides of
+    its own: it is read against the reference with its recorded blocks (four), not the two-block baseline, and its
+    halting exits get their own row, figure cell and plot point."""
+    path = write_recipes(tmp_path, (
+        "  - {name: da, task: word_order, model_type: depth_adaptive, overrides: decoder_layers=4, claim: depth-adaptive}\n"
+        "  - {name: da-halting, task: word_order, model_type: depth_adaptive, init_from: da, claim: depth-adaptive}\n"
+        "  - {name: two-blocks, task: word_order, model_type: flexformer, claim: baseline}\n"
+        "  - {name: four-blocks, task: word_order, model_type: flexformer, overrides: decoder_layers=4, "
+        "claim: depth-adaptive}\n"))
+    _, halting_recipe, two_blocks, four_blocks = zoo_recipes.load_recipes(path)
+    fixed = {str(n): {"bleu": 30.0 + n, "average_exit": float(n), "flops_per_token": 1e6 * n} for n in range(1, 5)}
+    figures = {"depth_adaptive": {
+        "confidence": {"bleu": 33.5, "chrf": 51.0, "average_exit": 2.4, "flops_per_token": 2.5e6, "thresholds": [0.6] * 3},
+        "halting": {"mechanism": "token_geometric", "bleu": 33.9, "chrf": 52.0, "average_exit": 2.1,
+                    "flops_per_token": 2.2e6},
+        "fixed_exits": fixed, "validation_pareto_front": []}}
+    four = {"encoder_layers": 2, "decoder_layers": 4}
+    records = tmp_path / "records"
+    records.mkdir()
+    for recipe, bleu, recipe_figures, architecture in ((halting_recipe, 33.9, figures, four),
+                                                       (two_blocks, 36.0, {}, {**four, "decoder_layers": 2}),
+                                                       (four_blocks, 34.0, {}, four)):
+        result = {**_rendered_result(recipe, bleu, recipe_figures, 2_000_000), "architecture": architecture}
+        (records / f"{recipe.name}.json").write_text(json.dumps(result))
+    docs = tmp_path / "ZOO.md"
+    zoo_report.render([halting_recipe, two_blocks, four_blocks], tmp_path / "runs", docs, records)
+    text = docs.read_text()
+    assert "reference: `four-blocks`, the same blocks without exits, test BLEU 34.00" in text
+    assert "| halting exits (token_geometric, trained) | 33.90 | -0.10 | 2.10 | 2.20 M |" in text
+    assert "halting exit (token_geometric): BLEU 33.90 at average exit 2.10" in text
+    assert (tmp_path / "zoo" / "depth_adaptive_da-halting.png").stat().st_size > 0
+
+
 def test_depth_adaptive_seed_is_read_against_the_reference_of_its_own_seed():
     """With a second seed of both the Depth-Adaptive recipe and its full-depth reference, each seed's exits are read
     against the reference trained with the same seed; a seed whose own reference is missing takes another's."""

@@ -21,6 +21,7 @@ and the exit loss (Eq. 6) next to the total (Eq. 7).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -196,13 +197,20 @@ DEPTH_ADAPTIVE_SWEEP = (40, 500)
 
 def depth_adaptive_reference(result: dict, results: list[dict]) -> dict | None:
     """The full-depth model without exits that a Depth-Adaptive recipe is read against: a finished baseline recipe
-    of the same task, size and overrides trained from scratch (the same blocks, one output classifier), of the same
-    seed when that one is finished, since the seeds draw different initializations and batches."""
+    of the same task, size and blocks trained from scratch (one output classifier), of the same seed when that one is
+    finished, since the seeds draw different initializations and batches. The blocks are the recorded architectures
+    where both results have one: a recipe trained on from another's model (the halting stage) names no overrides of
+    its own, its blocks come from the checkpoint."""
     recipe = result["recipe"]
+
+    def same_blocks(other: dict) -> bool:
+        if result.get("architecture") and other.get("architecture"):
+            return other["architecture"] == result["architecture"]
+        return (other["recipe"].get("overrides") or "") == (recipe.get("overrides") or "")
+
     candidates = [other for other in results if other["recipe"]["task"] == recipe["task"]
                   and is_baseline_result(other) and not other["recipe"].get("init_from")
-                  and other["recipe"].get("size") == recipe.get("size")
-                  and (other["recipe"].get("overrides") or "") == (recipe.get("overrides") or "")]
+                  and other["recipe"].get("size") == recipe.get("size") and same_blocks(other)]
     return (same_seed_first(candidates, result) or [None])[0]
 
 
@@ -231,6 +239,8 @@ def depth_adaptive_lines(result: dict, reference: dict | None) -> list[str]:
     confidence = figures["confidence"]
     thresholds = ", ".join(f"{t:.2f}" for t in confidence.get("thresholds") or [])
     lines.append(row(f"confidence exits, τ = ({thresholds})", confidence))
+    if "halting" in figures:
+        lines.append(row(f"halting exits ({figures['halting']['mechanism']}, trained)", figures["halting"]))
     if "validation_fixed_exits" in figures:
         full = figures["validation_fixed_exits"][str(len(figures["fixed_exits"]))]
         lines += ["", f"How the thresholds were chosen: {confidence['chosen_on']}. On those sentences the full depth "
@@ -262,6 +272,9 @@ def plot_depth_adaptive(result: dict, reference: dict | None, path: Path) -> Non
     fixed_line(test, figures["fixed_exits"], "fixed exit")
     test.plot([figures["confidence"]["average_exit"]], [figures["confidence"]["bleu"]], marker="*", markersize=13,
               linestyle="none", label="confidence, thresholds from validation")
+    if "halting" in figures:
+        test.plot([figures["halting"]["average_exit"]], [figures["halting"]["bleu"]], marker="P", markersize=11,
+                  linestyle="none", label=f"halting ({figures['halting']['mechanism']})")
     if reference is not None:
         test.axhline(reference["test"]["metrics"]["bleu"], color="black", linestyle="--",
                      label=f"{reference['recipe']['name']} (no exits)")
@@ -279,7 +292,8 @@ def plot_depth_adaptive(result: dict, reference: dict | None, path: Path) -> Non
 def depth_adaptive_zoo_analysis(recipe, output_dir, test_sources, smoke, test_hypotheses) -> dict:
     """The paper's protocol (Sec. 3.2, 4.4) on a trained zoo recipe: a threshold sweep on the validation split
     beside its fixed exits, then the test split at every fixed exit and at the cheapest swept thresholds that reach
-    the validation BLEU of the full depth."""
+    the validation BLEU of the full depth; a model trained with a halting mechanism (the second stage, Sec. 4.1) is
+    also decoded on the test split with the exits its mechanism decides."""
     from flexformers.training_scripts import depth_adaptive_tools
 
     common = ["--model_name_or_path", str(output_dir), "--num_beams", "1" if smoke else str(recipe.test_beams),
@@ -294,7 +308,15 @@ def depth_adaptive_zoo_analysis(recipe, output_dir, test_sources, smoke, test_hy
     evaluated = depth_adaptive_tools.run_from_argv([
         "evaluate", *common, "--split", "test", "--exit_strategy", "confidence", "--all_fixed_exits",
         "--exit_thresholds", ",".join(f"{threshold:.6f}" for threshold in chosen["thresholds"])])
+    halting = {}
+    mechanism = json.loads((Path(output_dir) / "config.json").read_text(encoding="utf-8")).get("halting_mechanism")
+    if mechanism not in (None, "none"):  # a trained halting mechanism (the second stage) decides exits by itself
+        decided = depth_adaptive_tools.run_from_argv(["evaluate", *common, "--split", "test", "--exit_strategy",
+                                                      "halting"])
+        halting = {"halting": {"mechanism": mechanism,
+                               **{k: decided[k] for k in ("bleu", "chrf", "average_exit", "flops_per_token")}}}
     return {"depth_adaptive": {
+        **halting,
         "confidence": {**{k: evaluated[k] for k in ("bleu", "chrf", "average_exit", "flops_per_token")},
                        "thresholds": evaluated["exit_thresholds"],
                        "chosen_on": f"validation, first {sweep['num_examples']} sentences: the cheapest swept "
@@ -320,6 +342,9 @@ def depth_adaptive_zoo_figures_text(figures: dict) -> list[str]:
         chosen = " (thresholds chosen on validation)" if "chosen_on" in adaptive["confidence"] else ""
         parts.append(f"confidence exit{chosen}: BLEU {adaptive['confidence']['bleu']:.2f} at average exit "
                      f"{adaptive['confidence']['average_exit']:.2f}")
+        if "halting" in adaptive:
+            parts.append(f"halting exit ({adaptive['halting']['mechanism']}): BLEU {adaptive['halting']['bleu']:.2f} "
+                         f"at average exit {adaptive['halting']['average_exit']:.2f}")
     return parts
 
 
