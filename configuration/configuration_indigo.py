@@ -13,8 +13,13 @@ POINTER_DECISIONS = ("position", "slot")
 class InDIGOConfig(FlexformerConfig):
     r"""Configuration of :class:`InDIGOForConditionalGeneration` (model type ``indigo``).
 
-    All :class:`FlexformerConfig` fields apply (fairseq names). InDIGO fixes ``decoder_use_positions=False``
-    (the decoder sees only the ternary relative positions of Eq. 3/7) and adds:
+    All :class:`FlexformerConfig` fields apply (fairseq names). ``decoder_use_positions`` defaults to ``False``: the
+    decoder sees only the ternary relative positions of Eq. 3/7, as in the paper. ``True`` (an ablation, not the
+    paper's model) adds the backbone's absolute embedding of each word's *insertion step* — its index in generation
+    order, which later insertions never change, so cached states stay valid (Sec. 3.2's reason for relative positions
+    is that a word's place in the sentence does change). Under the L2R order the insertion step is the word's place,
+    as the baseline's decoder positions are; it isolates the positional cue when comparing L2R-InDIGO with the
+    baseline. InDIGO adds:
 
     - ``eod_token_id`` (default 4): the end-of-decoding token ``<eod>`` (Eq. 2), always inserted immediately left
       of ``</s>``, last in every order. ``bos_token_id`` (``<s>``, 0) and ``eos_token_id`` (``</s>``, 2) are the
@@ -41,11 +46,6 @@ class InDIGOConfig(FlexformerConfig):
 
     def validate_indigo_fields(self) -> None:
         """InDIGO's own fields; raises a ``ValueError`` naming the field."""
-        if self.decoder_use_positions:
-            raise ValueError(
-                "decoder_use_positions=True is invalid for InDIGO: absolute positions change at every insertion "
-                "(Sec. 3.2); the decoder uses the relative positions of Eq. 7 only"
-            )
         if self.pointer_decision not in POINTER_DECISIONS:
             raise ValueError(f"pointer_decision must be one of {POINTER_DECISIONS}, got {self.pointer_decision!r}")
         vocab = min(self.vocab_size, self.decoder_vocab_size)

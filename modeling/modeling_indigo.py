@@ -113,7 +113,8 @@ def _under_either_name(value, kwargs: dict, name: str, earlier_name: str):
 
 
 class InDIGOModel(FlexformerModel):
-    """Encoder + InDIGO decoder (relative-position self-attention, no absolute decoder positions), no heads."""
+    """Encoder + InDIGO decoder (relative-position self-attention; no absolute decoder positions unless the
+    ``decoder_use_positions`` ablation adds insertion-step ones), no heads."""
 
     config_class = InDIGOConfig
     components = INDIGO_COMPONENTS
@@ -121,7 +122,7 @@ class InDIGOModel(FlexformerModel):
 
 class InDIGOForConditionalGeneration(InsertionDecoding, SearchedAdaptiveOrder, FlexformerForConditionalGeneration):
     """Transformer-InDIGO (Sec. 4): the flexformers backbone with relative-position decoder self-attention and no
-    absolute decoder positions, word prediction (Eq. 8) then pointer prediction (Eq. 9), the word + position loss
+    absolute decoder positions (``decoder_use_positions=True`` adds insertion-step ones, an ablation), word prediction (Eq. 8) then pointer prediction (Eq. 9), the word + position loss
     (Eq. 10, 11) for pre-defined orders and for searched adaptive orders (SAO, Eq. 12), and insertion decoding
     (Algorithm 1: greedy, sampling, the two-step beam search of Sec. 4.3) in ``generate()``.
     """

@@ -349,6 +349,15 @@ def test_code_generation_card_reports_pov_under_a_generic_task():
     assert pov.metric_value == 91.0 and pov.task_type == "text2text-generation"
 
 
+def test_an_indigo_card_names_the_insertion_step_positions_ablation():
+    """The InDIGO card says the decoder has no absolute positions — unless the checkpoint is the
+    ``decoder_use_positions`` ablation, which its card then names."""
+    paper = render("indigo", config={"decoder_use_positions": False})
+    ablation = render("indigo", config={"decoder_use_positions": True})
+    assert "decoder has no absolute positions;" in paper and "insertion step" not in paper
+    assert "insertion step, `decoder_use_positions`" in ablation
+
+
 def test_unknown_model_type_has_no_card():
     with pytest.raises(ExportError, match="no model card template"):
         render("not_a_method")

@@ -58,6 +58,14 @@ def model() -> InDIGOForConditionalGeneration:
     return InDIGOForConditionalGeneration(tiny_config()).eval()
 
 
+@pytest.fixture(scope="module", params=[False, True], ids=["relations-only", "insertion-step-positions"])
+def decoding_model(request) -> InDIGOForConditionalGeneration:
+    """The paper's decoder (relative positions only) and the ``decoder_use_positions`` ablation (plus absolute
+    embeddings of each word's insertion step): every cached-decoding equivalence must hold for both."""
+    torch.manual_seed(0)
+    return InDIGOForConditionalGeneration(tiny_config(decoder_use_positions=request.param)).eval()
+
+
 @pytest.fixture(scope="module")
 def source():
     return torch.tensor([[5, 6, 7, 8, 2], [9, 10, 11, 2, 1], [12, 2, 1, 1, 1]])
@@ -319,8 +327,6 @@ def test_syn_collator_parses_each_target_once(english_parser):
 
 
 def test_config_validation():
-    with pytest.raises(ValueError, match="decoder_use_positions"):
-        tiny_config(decoder_use_positions=True)
     with pytest.raises(ValueError, match="pointer_decision"):
         tiny_config(pointer_decision="middle")
     with pytest.raises(ValueError, match="must differ"):
@@ -356,6 +362,24 @@ def test_relative_bias_of_a_subset_of_rows_reads_those_rows_relations(model):
     torch.testing.assert_close(shared, attention.relative_position_bias(query[rows], relative_positions=relations[:1]))
 
 
+def test_insertion_step_positions_reach_the_decoder(source):
+    """``decoder_use_positions=True`` adds the backbone's sinusoidal embedding of each decoder input's index — in
+    InDIGO its insertion step, so cached states stay valid (the parametrised decoding tests check that): the same
+    weights give other states than without it, the boundary tokens included."""
+    torch.manual_seed(0)
+    with_steps = InDIGOForConditionalGeneration(tiny_config(decoder_use_positions=True)).eval()
+    relations_only = InDIGOForConditionalGeneration(tiny_config()).eval()
+    relations_only.load_state_dict(with_steps.state_dict())
+    assert with_steps.model.decoder.embed_positions is not None and relations_only.model.decoder.embed_positions is None
+    encoder = with_steps.model.encoder(source[:1]).last_hidden_state
+    tokens = torch.tensor([[0, 2, 9, 10, 11]])
+    places = relative_positions_from_absolute(torch.tensor([[0, 4, 1, 2, 3]]))
+    a, _ = with_steps._decoder_states(tokens, places, encoder, None)
+    b, _ = relations_only._decoder_states(tokens, places, encoder, None)
+    for step in range(tokens.shape[1]):
+        assert not torch.allclose(a[:, step], b[:, step], atol=1e-4)
+
+
 def test_decoder_has_no_absolute_positions_and_depends_on_relations(model, source):
     assert model.model.decoder.embed_positions is None
     encoder = model.model.encoder(source[:1]).last_hidden_state
@@ -382,40 +406,40 @@ def test_eager_and_sdpa_agree(source):
 
 @MODEL_SETTINGS
 @given(insertions.filter(lambda ops: len(ops) >= 1))
-def test_incremental_decoding_equals_full_forward(model, source, operations):
-    encoder = model.model.encoder(source[:1]).last_hidden_state
+def test_incremental_decoding_equals_full_forward(decoding_model, source, operations):
+    encoder = decoding_model.model.encoder(source[:1]).last_hidden_state
     state = InsertionState(1, len(operations) + 2, 32, encoder.device, encoder.dtype, 0, 2, 1)
-    last, cache = model._start(state, encoder, None)
+    last, cache = decoding_model._start(state, encoder, None)
     incremental = [last]
     for step, (raw_anchor, side) in enumerate(operations):
         anchor = raw_anchor % state.length
         if (anchor == 0 and side == LEFT) or (anchor == 1 and side == RIGHT):
             side = -side
         row = state.insert(torch.tensor([5 + step % 30]), torch.tensor([anchor]), torch.tensor([side]))
-        last, cache = model._decode_step(state.tokens[:, state.length - 1 : state.length], row, encoder, None, cache, state)
+        last, cache = decoding_model._decode_step(state.tokens[:, state.length - 1 : state.length], row, encoder, None, cache, state)
         incremental.append(last)
-    full, _ = model._decoder_states(state.tokens, state.current_relations(), encoder, None)
+    full, _ = decoding_model._decoder_states(state.tokens, state.current_relations(), encoder, None)
     assert torch.allclose(torch.stack(incremental, 1), full[:, 1:], atol=1e-5)
-    left, right = model.pointer_keys(full)
+    left, right = decoding_model.pointer_keys(full)
     assert torch.allclose(state.left_keys, left, atol=1e-5) and torch.allclose(state.right_keys, right, atol=1e-5)
 
 
 # ---- losses -------------------------------------------------------------------------------------------------------
 
 
-def test_loss_is_word_plus_position_negative_log_likelihood(model, source):
+def test_loss_is_word_plus_position_negative_log_likelihood(decoding_model, source):
     targets = torch.tensor([[12, 13, 14], [15, 16, 1], [17, 1, 1]])
     lengths = torch.tensor([3, 2, 1])
     orders = torch.tensor([[2, 0, 1], [1, 0, 0], [0, 0, 0]])
     batch = build_insertion_batch(targets, lengths, orders)
-    output = model(input_ids=source, **batch)
-    log_likelihood = model.sequence_log_likelihood(source, source.ne(1).long(), targets, lengths, orders)
+    output = decoding_model(input_ids=source, **batch)
+    log_likelihood = decoding_model.sequence_log_likelihood(source, source.ne(1).long(), targets, lengths, orders)
     tokens = (lengths + 1).sum()
     assert torch.allclose(output.loss, -log_likelihood.sum() / tokens, atol=1e-5)
     # labels only = the L2R order
     labels = torch.tensor([[12, 13, 14, 2], [15, 16, 2, -100], [17, 2, -100, -100]])
     l2r = build_insertion_batch(targets, lengths, torch.tensor([[0, 1, 2], [0, 1, 0], [0, 0, 0]]))
-    assert torch.allclose(model(input_ids=source, labels=labels).loss, model(input_ids=source, **l2r).loss)
+    assert torch.allclose(decoding_model(input_ids=source, labels=labels).loss, decoding_model(input_ids=source, **l2r).loss)
 
 
 def test_labels_of_a_standard_seq2seq_batch_train_and_other_decoder_inputs_are_refused(model, source):
@@ -454,45 +478,45 @@ def test_label_smoothing_and_gradients_reach_every_parameter(source):
 # ---- generate -----------------------------------------------------------------------------------------------------
 
 
-def test_greedy_equals_teacher_forced_argmax(model, source):
-    result = model.generate(source, max_new_tokens=8, return_insertion_trace=True)
+def test_greedy_equals_teacher_forced_argmax(decoding_model, source):
+    result = decoding_model.generate(source, max_new_tokens=8, return_insertion_trace=True)
     assert result.sequences[:, 0].eq(0).all()
     for row in range(source.shape[0]):
         tokens = result.insertion_ids[row]
         n = int(tokens.ne(1).sum())
         relations = result.relative_positions[row, :n, :n]
         mask = source[row : row + 1].ne(1).long()
-        encoder = model.model.encoder(source[row : row + 1], attention_mask=mask).last_hidden_state
-        hidden, _ = model._decoder_states(tokens[None, :n], relations[None], encoder, mask)
-        words = model._decoding_word_logits(hidden[0]).argmax(-1)
+        encoder = decoding_model.model.encoder(source[row : row + 1], attention_mask=mask).last_hidden_state
+        hidden, _ = decoding_model._decoder_states(tokens[None, :n], relations[None], encoder, mask)
+        words = decoding_model._decoding_word_logits(hidden[0]).argmax(-1)
         assert words[1 : n - 1].tolist() == tokens[2:n].tolist()
         if len(result.insertion_trace[row]) < 8:  # stopped by <eod>, which is the arg-max after the last word
-            assert int(words[n - 1]) == model.config.eod_token_id
+            assert int(words[n - 1]) == decoding_model.config.eod_token_id
         positions = absolute_positions_from_relative(relations)
         # the sequence in reading order is the insertion sequence sorted by Eq. 4's positions
         assert result.sequences[row, :n].tolist() == tokens[:n][reading_order_from_positions(positions)].tolist()
         # every pointer decision is the arg-max relative position (Eq. 11) of the teacher-forced pointer
         for step, (token, anchor, side, position) in enumerate(result.insertion_trace[row]):
             t = step + 1  # query index that predicted this insertion
-            query = model.pointer_query(hidden[:, t], tokens[None, step + 2])[:, None]
-            left, right = model.pointer_keys(hidden[:, : t + 1])
-            slots = model.slot_log_probs(query, left, right)[:, 0]
+            query = decoding_model.pointer_query(hidden[:, t], tokens[None, step + 2])[:, None]
+            left, right = decoding_model.pointer_keys(hidden[:, : t + 1])
+            slots = decoding_model.slot_log_probs(query, left, right)[:, 0]
             partial = absolute_positions_from_relative(relations[: t + 1, : t + 1])
             gaps = gap_log_probs(slots, reading_order_from_positions(partial)[None])
             assert int(gaps.argmax(-1)) + 1 == position
 
 
-def test_beam_size_one_equals_greedy(model, source):
-    greedy = model.generate(source, max_new_tokens=7, return_dict_in_generate=True)
-    config, _ = model._prepare_generation_config(
+def test_beam_size_one_equals_greedy(decoding_model, source):
+    greedy = decoding_model.generate(source, max_new_tokens=7, return_dict_in_generate=True)
+    config, _ = decoding_model._prepare_generation_config(
         GenerationConfig(num_beams=1, length_penalty=1.0, early_stopping=False, num_return_sequences=1)
     )
-    config.eos_token_id = model.config.eod_token_id
-    encoder = model.model.encoder(source, attention_mask=source.ne(1).long()).last_hidden_state
-    model._prepare_special_tokens(config, True, device=source.device)
-    processors = model._get_logits_processor(generation_config=config, input_ids_seq_length=2, device=source.device)
+    config.eos_token_id = decoding_model.config.eod_token_id
+    encoder = decoding_model.model.encoder(source, attention_mask=source.ne(1).long()).last_hidden_state
+    decoding_model._prepare_special_tokens(config, True, device=source.device)
+    processors = decoding_model._get_logits_processor(generation_config=config, input_ids_seq_length=2, device=source.device)
     with torch.no_grad():
-        beam = model._beam_search(encoder, source.ne(1).long(), config, processors, 7, False)
+        beam = decoding_model._beam_search(encoder, source.ne(1).long(), config, processors, 7, False)
     assert torch.equal(beam.sequences, greedy.sequences[:, : beam.sequences.shape[1]])
 
 
@@ -509,9 +533,9 @@ def test_beam_search_outputs(model, source):
         model.generate(source, num_beams=2, num_return_sequences=3)
 
 
-def test_beam_search_finds_at_least_the_greedy_score(model, source):
-    greedy = model.generate(source, max_new_tokens=5, return_dict_in_generate=True)
-    beam = model.generate(source, max_new_tokens=5, num_beams=4, length_penalty=0.0, return_dict_in_generate=True)
+def test_beam_search_finds_at_least_the_greedy_score(decoding_model, source):
+    greedy = decoding_model.generate(source, max_new_tokens=5, return_dict_in_generate=True)
+    beam = decoding_model.generate(source, max_new_tokens=5, num_beams=4, length_penalty=0.0, return_dict_in_generate=True)
     finished = greedy.sequences.ne(1).sum(-1) < 7
     assert (beam.sequences_scores[finished] >= greedy.sequences_scores[finished] - 1e-4).all()
 
@@ -549,13 +573,13 @@ def test_save_and_load_round_trip(model, source, tmp_path):
 # ---- SAO (Sec. 4.2) -----------------------------------------------------------------------------------------------
 
 
-def test_sao_returns_permutations_scored_by_the_model_log_likelihood(model, source):
+def test_sao_returns_permutations_scored_by_the_model_log_likelihood(decoding_model, source):
     targets = torch.tensor([[12, 13, 14, 15], [16, 17, 1, 1], [18, 19, 20, 1]])
     lengths = torch.tensor([4, 2, 3])
     mask = source.ne(1).long()
-    model.sao_search_dropout = False
-    encoder = model.model.encoder(source, attention_mask=mask).last_hidden_state
-    orders, scores = model.search_adaptive_orders(encoder, mask, targets, lengths, beam_size=4)
+    decoding_model.sao_search_dropout = False
+    encoder = decoding_model.model.encoder(source, attention_mask=mask).last_hidden_state
+    orders, scores = decoding_model.search_adaptive_orders(encoder, mask, targets, lengths, beam_size=4)
     assert orders.shape == (3, 4, 4)
     for sentence in range(3):
         n = int(lengths[sentence])
@@ -570,12 +594,12 @@ def test_sao_returns_permutations_scored_by_the_model_log_likelihood(model, sour
     finite = torch.isfinite(scores)
     flat_orders = orders.reshape(12, 4)
     repeated = lambda t: t.repeat_interleave(4, 0)  # noqa: E731
-    likelihood = model.sequence_log_likelihood(repeated(source), repeated(mask), repeated(targets), repeated(lengths),
+    likelihood = decoding_model.sequence_log_likelihood(repeated(source), repeated(mask), repeated(targets), repeated(lengths),
                                                flat_orders).view(3, 4)
     assert torch.allclose(scores[finite], likelihood[finite], atol=1e-4)
     assert (scores[:, :-1] >= scores[:, 1:]).all()
     # the best order of a 2-word sentence is the better of its two orders
-    both = model.sequence_log_likelihood(source[1:2].repeat(2, 1), mask[1:2].repeat(2, 1), targets[1:2].repeat(2, 1),
+    both = decoding_model.sequence_log_likelihood(source[1:2].repeat(2, 1), mask[1:2].repeat(2, 1), targets[1:2].repeat(2, 1),
                                          lengths[1:2].repeat(2), torch.tensor([[0, 1, 0, 0], [1, 0, 0, 0]]))
     assert torch.allclose(scores[1, 0], both.max(), atol=1e-4)
 
