@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from flexformers.training_scripts.zoo_recipes import DEFAULT_RECIPES, SMOKE_UPDATES, budget, load_recipes
+from flexformers.training_scripts.zoo_comparisons import load_comparisons
 from flexformers.training_scripts.zoo_report import render
 from flexformers.training_scripts.zoo_runner import (
     DEFAULT_RECORDS_DIR,
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{recipe_status(recipe, runs_dir, records_dir)}")
             return 0
         if args.command == "render":
-            path = render(recipes, runs_dir, Path(args.docs), records_dir)
+            path = render(recipes, runs_dir, Path(args.docs), records_dir, load_comparisons(recipes, args.recipes))
             print(f"wrote {path}")
             return 0
         if args.command == "verify":

@@ -4,9 +4,11 @@ baseline and against the baseline trained on alike, the learning curves, and eac
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from flexformers.training_scripts.model_registry import available_model_types, get_method_spec
+from flexformers.training_scripts.zoo_comparisons import RegisteredComparison, comparison_lines
 from flexformers.training_scripts.zoo_recipes import ZooRecipe
 from flexformers.training_scripts.zoo_runner import finished_results, recipe_status
 from flexformers.training_scripts.zoo_statistics import (
@@ -91,9 +93,10 @@ def trained_on_lines(results: list[dict]) -> list[str]:
     return lines
 
 
-def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_dir: Path | None = None) -> Path:
+def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_dir: Path | None = None,
+           comparisons: Sequence[RegisteredComparison] = ()) -> Path:
     """Write ``docs_path`` (the zoo's table and plots, from every finished recipe: its run folder, or else its
-    record) and its plots beside it."""
+    record; each registered comparison's verdict) and its plots beside it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -170,6 +173,7 @@ def render(recipes: list[ZooRecipe], runs_dir: Path, docs_path: Path, records_di
                          f"{scores['sd']:.2f} ({len(baseline['seeds'])}{decoded}) | {row['difference']:+.2f} | "
                          f"{in_sd} | {baseline['converged_seeds']} of {len(baseline['seeds'])} seeds "
                          f"({baseline['converged_seeds_earlier_rule']} by the earlier rule) |")
+    lines += comparison_lines(list(comparisons), results)
     lines += trained_on_lines(results)
     method_plots = []
     for model_type in available_model_types():  # each method's own sections and plots, from every result

@@ -145,6 +145,59 @@ def against_baseline(results: list[dict], spread: list[dict]) -> list[dict]:
     return rows
 
 
+#: The registered rule (docs/ZOO_NOTEBOOK.md, "Registered before the runs: issue 63", fixed 2026-12-06): the seeds
+#: each side needs before a difference is claimed, and the multiple of the larger standard deviation it must exceed.
+VERDICT_MIN_SEEDS = 3
+VERDICT_SD_MULTIPLE = 2.0
+
+
+def _is_flat(result: dict) -> bool:
+    gain = last_fifth_gain(result.get("validation_curve") or [])
+    return gain is not None and gain < FLAT_CURVE_GAIN
+
+
+def _side(results: list[dict], unconstrained: bool) -> dict:
+    """Test BLEU over one configuration's seeds; ``unconstrained``: the decoding without the output constraint (a
+    baseline on word order read against a method that decodes without it, as :func:`against_baseline` reads it)."""
+    scores = [(result["test"]["unconstrained"] if unconstrained and "unconstrained" in result["test"]
+               else result["test"])["metrics"]["bleu"] for result in results]
+    return {"seeds": sorted(result["recipe"]["seed"] for result in results), "scores": scores,
+            "flat": sum(_is_flat(result) for result in results),
+            "mean": round(statistics.mean(scores), 2) if scores else None,
+            "sd": round(statistics.stdev(scores), 2) if len(scores) > 1 else None}
+
+
+def registered_verdict(configuration: list[dict], against: list[dict], gate: list[dict] | None = None) -> dict:
+    """The registered rule's reading of ``configuration``'s seeds against ``against``'s (results of one seed group
+    each): *better* / *worse* when both have :data:`VERDICT_MIN_SEEDS` seeds or more, every seed of both is flat, and
+    the difference of their test-BLEU means exceeds :data:`VERDICT_SD_MULTIPLE` times the larger of their sample
+    standard deviations; otherwise no verdict, saying why. ``gate`` (the task baseline's seeds, when the comparison
+    names one): unless every one of them is flat, the comparison is not read at all. A side constrained to
+    permutations of the input is read unconstrained when the other side is not constrained."""
+    constrained = [any(result["test"].get("output_constraint") for result in side) for side in (configuration, against)]
+    sides = [_side(side, unconstrained=constrained[i] and not constrained[1 - i])
+             for i, side in enumerate((configuration, against))]
+    a, b = sides
+    difference = round(a["mean"] - b["mean"], 2) if a["scores"] and b["scores"] else None
+    reading = {"configuration": a, "against": b, "difference": difference, "threshold": None}
+    if gate is not None and (not gate or not all(_is_flat(result) for result in gate)):
+        flat = sum(_is_flat(result) for result in gate)
+        return {**reading, "verdict": f"not read: the task's baseline is flat in {flat} of {len(gate)} seeds"}
+    if difference is None:
+        return {**reading, "verdict": "waiting for runs"}
+    seeds = (len(a["scores"]), len(b["scores"]))
+    if min(seeds) < VERDICT_MIN_SEEDS:
+        return {**reading, "verdict": f"no verdict: {seeds[0]} and {seeds[1]} seeds (needs {VERDICT_MIN_SEEDS} each)"}
+    if a["flat"] < seeds[0] or b["flat"] < seeds[1]:
+        return {**reading, "verdict": f"no verdict: flat in {a['flat']} of {seeds[0]} and {b['flat']} of {seeds[1]} seeds"}
+    threshold = round(VERDICT_SD_MULTIPLE * max(a["sd"], b["sd"]), 2)
+    reading["threshold"] = threshold
+    if abs(difference) > threshold:
+        word = "better" if difference > 0 else "worse"
+        return {**reading, "verdict": f"**{word}** (|difference| > {threshold:.2f}, {VERDICT_SD_MULTIPLE:g} × the larger sd)"}
+    return {**reading, "verdict": f"no difference shown (|difference| ≤ {threshold:.2f}, {VERDICT_SD_MULTIPLE:g} × the larger sd)"}
+
+
 def same_seed_first(runs: list[dict], result: dict) -> list[dict]:
     """Those of ``runs`` trained with ``result``'s seed, else all of them: a run is read against a reference of its
     own seed while that one is finished, since the seeds draw different initializations and batches."""
