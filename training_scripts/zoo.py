@@ -35,8 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-from flexformers.training_scripts.zoo_recipes import DEFAULT_RECIPES, SMOKE_UPDATES, budget, load_recipes
 from flexformers.training_scripts.zoo_comparisons import load_comparisons
+from flexformers.training_scripts.zoo_recipes import DEFAULT_RECIPES, SMOKE_UPDATES, budget, load_recipes
 from flexformers.training_scripts.zoo_report import render
 from flexformers.training_scripts.zoo_runner import (
     DEFAULT_RECORDS_DIR,
