@@ -84,9 +84,15 @@ def converged(result: dict, gain_rule=None) -> bool:
     """Whether a run meets the zoo's bar for a baseline that methods are compared with: its validation curve has
     flattened (``gain_rule``, by default today's :func:`last_fifth_gain`, < :data:`FLAT_CURVE_GAIN`) and its test
     BLEU is :data:`LEARNED_OVER_COPY` or more above copying the input."""
-    gain = (gain_rule or last_fifth_gain)(result.get("validation_curve") or [])
     over_copy = (result["test"].get("gain_over_copy") or {}).get("bleu")
-    return gain is not None and gain < FLAT_CURVE_GAIN and over_copy is not None and over_copy >= LEARNED_OVER_COPY
+    return is_flat(result, gain_rule) and over_copy is not None and over_copy >= LEARNED_OVER_COPY
+
+
+def is_flat(result: dict, gain_rule=None) -> bool:
+    """Whether a run's validation curve has flattened: ``gain_rule`` (by default today's :func:`last_fifth_gain`)
+    below :data:`FLAT_CURVE_GAIN`."""
+    gain = (gain_rule or last_fifth_gain)(result.get("validation_curve") or [])
+    return gain is not None and gain < FLAT_CURVE_GAIN
 
 
 def seed_spread(results: list[dict]) -> list[dict]:
@@ -151,18 +157,13 @@ VERDICT_MIN_SEEDS = 3
 VERDICT_SD_MULTIPLE = 2.0
 
 
-def _is_flat(result: dict) -> bool:
-    gain = last_fifth_gain(result.get("validation_curve") or [])
-    return gain is not None and gain < FLAT_CURVE_GAIN
-
-
 def _side(results: list[dict], unconstrained: bool) -> dict:
     """Test BLEU over one configuration's seeds; ``unconstrained``: the decoding without the output constraint (a
     baseline on word order read against a method that decodes without it, as :func:`against_baseline` reads it)."""
     scores = [(result["test"]["unconstrained"] if unconstrained and "unconstrained" in result["test"]
                else result["test"])["metrics"]["bleu"] for result in results]
     return {"seeds": sorted(result["recipe"]["seed"] for result in results), "scores": scores,
-            "flat": sum(_is_flat(result) for result in results),
+            "flat": sum(is_flat(result) for result in results),
             "mean": round(statistics.mean(scores), 2) if scores else None,
             "sd": round(statistics.stdev(scores), 2) if len(scores) > 1 else None}
 
@@ -180,8 +181,8 @@ def registered_verdict(configuration: list[dict], against: list[dict], gate: lis
     a, b = sides
     difference = round(a["mean"] - b["mean"], 2) if a["scores"] and b["scores"] else None
     reading = {"configuration": a, "against": b, "difference": difference, "threshold": None}
-    if gate is not None and (not gate or not all(_is_flat(result) for result in gate)):
-        flat = sum(_is_flat(result) for result in gate)
+    if gate is not None and (not gate or not all(is_flat(result) for result in gate)):
+        flat = sum(is_flat(result) for result in gate)
         return {**reading, "verdict": f"not read: the task's baseline is flat in {flat} of {len(gate)} seeds"}
     if difference is None:
         return {**reading, "verdict": "waiting for runs"}
