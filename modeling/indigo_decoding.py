@@ -17,6 +17,7 @@ from .indigo_insertion import (
     RIGHT,
     absolute_positions_from_relative,
     gap_log_probs,
+    max_insertion_steps,
     reading_order_from_positions,
 )
 from .indigo_search_state import InsertionState
@@ -277,7 +278,7 @@ class InsertionDecoding:
             max_steps = generation_config.max_new_tokens
         else:
             max_steps = max(generation_config.max_length - 2, 1)
-        max_steps = min(max_steps, config.max_target_positions)
+        max_steps = min(max_steps, max_insertion_steps(config))
         num_beams = generation_config.num_beams or 1
         num_return = generation_config.num_return_sequences or 1
         if num_beams > 1 and generation_config.do_sample:

@@ -13,6 +13,18 @@ import torch
 #: The side of an insertion, and the relation r of Eq. 3 of a word to the left / right of another.
 LEFT = -1
 RIGHT = 1
+#: Insertion decoding starts from ``<s> </s>`` (Sec. 3.1), so a sequence of T words is T + 2 decoder inputs.
+START_PAIR_LENGTH = 2
+
+
+def max_insertion_steps(config) -> int:
+    """The most insertion steps one decode may run. Each step ends by reading its new word (the next step's
+    pointer needs its state), so after k steps the decoder has read the start pair and k words: with absolute
+    insertion-step positions (the ``decoder_use_positions`` ablation) those must fit in ``max_target_positions``,
+    as a training target of k words must; without them the table bounds the words alone."""
+    if config.decoder_use_positions:
+        return config.max_target_positions - START_PAIR_LENGTH
+    return config.max_target_positions
 
 
 def relative_positions_from_absolute(positions: torch.Tensor) -> torch.Tensor:
@@ -128,7 +140,7 @@ def build_insertion_batch(
     safe_orders = torch.where(in_target, orders, steps[None, :].expand(batch, -1))
     if check_orders and bool((safe_orders.sort(-1).values != steps[None, :]).any()):
         raise ValueError("orders: every row must be a permutation of 0..length-1 over its target length")
-    length = max_len + 2
+    length = max_len + START_PAIR_LENGTH
     generated = target_ids.gather(1, safe_orders).masked_fill(~in_target, pad_token_id)
     decoder_input_ids = torch.cat(
         [torch.full((batch, 1), bos_token_id, device=device), torch.full((batch, 1), eos_token_id, device=device), generated],

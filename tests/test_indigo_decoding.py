@@ -19,6 +19,7 @@ from flexformers.modeling.indigo_decoding import LEFT_TO_RIGHT_ONLY_OPTIONS, che
 from flexformers.modeling.indigo_insertion import (
     absolute_positions_from_relative,
     gap_log_probs,
+    max_insertion_steps,
     reading_order_from_positions,
 )
 from flexformers.modeling.indigo_search_state import CapturedSearches, InsertionState, ReferencePointerCache
@@ -503,3 +504,56 @@ def test_insertion_decoding_and_its_transition_scores_on_a_gpu_match_the_cpu(num
     (cpu_sequences, cpu_transition), (gpu_sequences, gpu_transition) = results
     assert torch.equal(gpu_sequences, cpu_sequences)
     torch.testing.assert_close(gpu_transition, cpu_transition, atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------- learned insertion-step positions: a decode and a run fit their table
+
+
+class NeverEndDecoding(LogitsProcessor):
+    """Forbids `<eod>`, so a decode runs every step it is allowed."""
+
+    def __call__(self, input_ids, scores):
+        return scores.index_fill(-1, torch.tensor([tiny_config().eod_token_id]), float("-inf"))
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_a_decode_with_learned_step_positions_stops_at_the_last_step_its_table_holds(num_beams):
+    """After k steps the decoder has read the start pair and k words: with learned insertion-step positions (the
+    ablation) and 6 of them, 4 steps fit and a 5th would read 7 positions. Asked for 20, the decode runs 4 and never
+    raises."""
+    torch.manual_seed(0)
+    model = InDIGOForConditionalGeneration(tiny_config(decoder_use_positions=True, decoder_learned_pos=True,
+                                                       max_target_positions=6)).eval()
+    assert max_insertion_steps(model.config) == 4
+    output = model.generate(SOURCE, max_new_tokens=20, num_beams=num_beams,
+                            logits_processor=LogitsProcessorList([NeverEndDecoding()]))
+    assert output.shape[1] == 2 + 4
+    with pytest.raises(ValueError, match="exceeds the 6 learned positions"):
+        model._decoder_states(torch.ones(1, 7, dtype=torch.long), torch.zeros(1, 7, 7, dtype=torch.int8),
+                              model.model.encoder(SOURCE[:1]).last_hidden_state, None)
+    # the paper's decoder has no position table: the words alone are bounded by it
+    assert max_insertion_steps(tiny_config(max_target_positions=6)) == 6
+
+
+@pytest.mark.parametrize("max_target_length, refused", [(5, False), (6, True)])
+def test_the_training_length_check_counts_the_start_pair_of_insertion_decoding(max_target_length, refused):
+    """A tokenized target of n tokens (its `</s>` last) is read by InDIGO's decoder as `<s> </s>` and n - 1 words:
+    one token more, which its MethodSpec declares, so a run whose targets would overrun learned insertion-step
+    positions is refused before training, naming the extra token."""
+    from types import SimpleNamespace
+
+    from flexformers.training_scripts.arguments import DataArguments
+    from flexformers.training_scripts.methods.indigo import SPEC
+    from flexformers.training_scripts.train import check_config_fits_run
+
+    config = tiny_config(decoder_use_positions=True, decoder_learned_pos=True, max_target_positions=6)
+    data_args = DataArguments(max_source_length=8, max_target_length=max_target_length)
+    arguments = (config, data_args, SimpleNamespace(generation_max_length=None), None, SPEC.decoder_tokens_beyond_target)
+    if refused:
+        with pytest.raises(ValueError, match=r"--max_target_length 6 plus the 1 decoder token\(s\) the method adds \(7\) "
+                                             r"exceeds the model's max_target_positions 6"):
+            check_config_fits_run(*arguments)
+    else:
+        check_config_fits_run(*arguments)
+    # the paper's decoder has no absolute positions, so nothing to overrun
+    check_config_fits_run(tiny_config(max_target_positions=6), *arguments[1:])

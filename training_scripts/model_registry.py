@@ -53,6 +53,9 @@ What the train script does with it, in order:
 What the other tools ask a spec (each optional, with the plain Transformer's answer as default):
 
 - ``decodes_left_to_right`` (True): prefix constraints such as ``--permutation_of_source`` apply to its decoding.
+- ``decoder_tokens_beyond_target`` (0): how many more tokens the method's decoder reads than the tokenized target
+  holds (InDIGO: 1, its start pair ``<s> </s>`` in place of the target's ``</s>``); the check that
+  ``--max_target_length`` fits the decoder's position table counts them.
 - ``figures(model, source_tokenizer, target_tokenizer, sources, limit) -> dict``: what the method does at inference
   on the first ``limit`` sources (IOT's order usage, the exits of Depth-Adaptive), in the quickstart's and the zoo's
   reports.
@@ -119,6 +122,7 @@ class MethodSpec:
     description: str = ""
     name: str = ""
     decodes_left_to_right: bool = True
+    decoder_tokens_beyond_target: int = 0
     is_baseline: bool = False
     compares_own_starts: bool = False
     figures: Callable[..., dict] | None = None

@@ -508,17 +508,25 @@ def start_run_in_output_dir(model_args: ModelArguments, training_args) -> tuple[
         raise
 
 
-def check_config_fits_run(config, data_args: DataArguments, training_args, resume_checkpoint: str | None) -> None:
+def check_config_fits_run(config, data_args: DataArguments, training_args, resume_checkpoint: str | None,
+                          decoder_tokens_beyond_target: int = 0) -> None:
     """Refuse (``ValueError``) a model whose position tables are shorter than the lengths it is trained and
-    evaluated on, or a resume whose checkpoint holds another model type or architecture than ``config``."""
-    target_length = max(data_args.max_target_length, training_args.generation_max_length or 0)
+    evaluated on, or a resume whose checkpoint holds another model type or architecture than ``config``.
+    ``decoder_tokens_beyond_target``: the method's :class:`MethodSpec` field of that name (the decoder reads that
+    many more tokens than the tokenized target holds)."""
+    decoder_length = data_args.max_target_length + decoder_tokens_beyond_target
+    target_length = max(decoder_length, training_args.generation_max_length or 0)
     for side, length, flag in (("source", data_args.max_source_length, "--max_source_length"),
                                ("target", target_length, "--max_target_length")):
         positions = getattr(config, f"max_{side}_positions", None)
         uses_positions = getattr(config, f"{'encoder' if side == 'source' else 'decoder'}_use_positions", True)
         if positions is not None and uses_positions and length > positions:
+            named = f"{flag} {length}"
+            if side == "target" and decoder_tokens_beyond_target and length == decoder_length:
+                named = (f"{flag} {data_args.max_target_length} plus the {decoder_tokens_beyond_target} decoder "
+                         f"token(s) the method adds ({length})")
             raise ValueError(
-                f"{flag} {length} exceeds the model's max_{side}_positions {positions}: longer sequences would run "
+                f"{named} exceeds the model's max_{side}_positions {positions}: longer sequences would run "
                 f"past its position table; lower {flag} or raise max_{side}_positions with --config_overrides"
             )
     if resume_checkpoint is not None:
@@ -573,7 +581,7 @@ def run(spec, model_args, data_args, training_args, method_args, extra_callbacks
     logger.info("Vocabulary: %d source / %d target tokens", len(source_tokenizer), len(target_tokenizer))
 
     config = build_config(spec, model_args, source_tokenizer, target_tokenizer, method_args)
-    check_config_fits_run(config, data_args, training_args, resume_checkpoint)
+    check_config_fits_run(config, data_args, training_args, resume_checkpoint, spec.decoder_tokens_beyond_target)
     model = spec.make_model(model_args, method_args, config, target_tokenizer)
     logger.info("%s with %s parameters", type(model).__name__, f"{sum(p.numel() for p in model.parameters()):,}")
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from flexformers.configuration.configuration_indigo import InDIGOConfig
-from flexformers.modeling.indigo_insertion import SAO_ORDER_WEIGHTINGS
+from flexformers.modeling.indigo_insertion import SAO_ORDER_WEIGHTINGS, START_PAIR_LENGTH
 from flexformers.modeling.modeling_indigo import InDIGOForConditionalGeneration
 from flexformers.training_scripts.indigo_orders import (
     ALL_ORDERS,
@@ -334,6 +334,7 @@ SPEC = MethodSpec(
     update_config=update_indigo_config,
     name="InDIGO",
     decodes_left_to_right=False,
+    decoder_tokens_beyond_target=START_PAIR_LENGTH - 1,
     compares_own_starts=True,
     figures=indigo_figures,
     missing_requirement=indigo_missing_requirement,
