@@ -60,6 +60,9 @@ def test_registry_contract():
         MethodSpec("x", object, object, arguments_class=int)
     with pytest.raises(ValueError, match="callbacks .* must be callable"):
         MethodSpec("x", object, object, callbacks=3)
+    for count in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="decoder_tokens_beyond_target for 'x' must be a count of tokens"):
+            MethodSpec("x", object, object, decoder_tokens_beyond_target=count)
 
 
 def test_registry_rejects_a_module_without_spec(monkeypatch):

@@ -141,6 +141,10 @@ class MethodSpec:
                 f"MethodSpec.arguments_class for {self.model_type!r} must be a dataclass "
                 f"(HfArgumentParser parses it), got {self.arguments_class!r}"
             )
+        if (not isinstance(self.decoder_tokens_beyond_target, int) or isinstance(self.decoder_tokens_beyond_target, bool)
+                or self.decoder_tokens_beyond_target < 0):
+            raise ValueError(f"MethodSpec.decoder_tokens_beyond_target for {self.model_type!r} must be a count of "
+                             f"tokens (an int >= 0), got {self.decoder_tokens_beyond_target!r}")
         if not self.name:
             object.__setattr__(self, "name", self.model_type)  # frozen: the display name defaults to the type
         for hook_name in ("build_model", "data_collator", "callbacks", "update_config", "figures", "zoo_analysis",
