@@ -15,6 +15,7 @@ from .generation_hooks import check_generate_arguments
 from .indigo_insertion import (
     LEFT,
     RIGHT,
+    START_PAIR_LENGTH,
     absolute_positions_from_relative,
     gap_log_probs,
     max_insertion_steps,
@@ -244,7 +245,7 @@ class InsertionDecoding:
         (``num_beams > 1``: top-B words per hypothesis, then every position for each, keep the best B; scores
         normalised by ``length ** length_penalty``).
 
-        Honours ``max_new_tokens`` (insertions, ``<eod>`` included; default ``max_length - 2``),
+        Honours ``max_new_tokens`` (insertions, ``<eod>`` included; default ``max_length`` less the start pair),
         ``num_beams``, ``num_return_sequences``, ``do_sample``/``temperature``/``top_k``/``top_p`` and other logits
         processors (applied to the word distribution; ``<eod>`` plays the EOS role for e.g. ``min_new_tokens``),
         ``length_penalty``, ``early_stopping``, ``output_scores``, ``output_logits``, ``output_attentions``,
@@ -277,7 +278,7 @@ class InsertionDecoding:
         if generation_config.max_new_tokens is not None:
             max_steps = generation_config.max_new_tokens
         else:
-            max_steps = max(generation_config.max_length - 2, 1)
+            max_steps = max(generation_config.max_length - START_PAIR_LENGTH, 1)
         max_steps = min(max_steps, max_insertion_steps(config))
         num_beams = generation_config.num_beams or 1
         num_return = generation_config.num_return_sequences or 1
